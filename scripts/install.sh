@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install cpkv and its test tools into the current Python, never pulling a
+# multi-GB CUDA torch onto a machine without a GPU.
+#   CPKV_TORCH_INDEX=https://download.pytorch.org/whl/cpu scripts/install.sh   # elsewhere
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+if ! "$py" -c 'import torch' 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        "$py" -m pip install -q torch
+    elif [ -n "${CPKV_TORCH_INDEX:-}" ]; then
+        "$py" -m pip install -q torch --index-url "$CPKV_TORCH_INDEX"
+    else
+        # On these machines pip finds the CPU build of 2.13.0 on disk.
+        "$py" -m pip install -q torch==2.13.0
+    fi
+fi
+"$py" -m pip install -q -e ".[test,bench,dev]"
