@@ -1,0 +1,116 @@
+"""The errors cpkv raises: recoverable capacity pressure, lane and coordinator loss, misuse.
+
+Every error pickles with its type and fields intact, so an error made inside an
+actor reaches the caller as the same class with the same attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+__all__ = [
+    "CPKVError",
+    "CoordinatorUnavailableError",
+    "InvalidRequestError",
+    "KVCapacityWaitError",
+    "LaneUnavailableError",
+    "RequestTimeoutError",
+]
+
+
+class CPKVError(Exception):
+    """Base class of every error cpkv raises on purpose."""
+
+
+class InvalidRequestError(CPKVError, ValueError):
+    """Bad input: the message names the offending value; state is unchanged."""
+
+
+class KVCapacityWaitError(CPKVError, RuntimeError):
+    """Recoverable KV-capacity pressure: back off and retry.
+
+    Nothing stays allocated when this is raised (all-or-nothing across lanes),
+    and a request slot taken for the failed step has been released.
+
+    Attributes:
+        required_by_owner: pages wanted on each lane, length ``cp_size``.
+        available_by_owner: free pages on each lane after eviction.
+        deficit_by_owner: ``max(0, required - available)`` per lane.
+        reason: ``owner_lane_exhausted`` (owner plan), ``lane_exhausted``
+            (rotation fallback or decode) or ``request_slots_exhausted``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        required_by_owner: Sequence[int],
+        available_by_owner: Sequence[int],
+        deficit_by_owner: Sequence[int],
+        reason: str = "owner_lane_exhausted",
+    ) -> None:
+        self.message = message
+        self.required_by_owner = [int(x) for x in required_by_owner]
+        self.available_by_owner = [int(x) for x in available_by_owner]
+        self.deficit_by_owner = [int(x) for x in deficit_by_owner]
+        self.reason = reason
+        super().__init__(
+            f"{reason}: {message}; required_by_owner={self.required_by_owner} "
+            f"available_by_owner={self.available_by_owner} "
+            f"deficit_by_owner={self.deficit_by_owner}"
+        )
+
+    def __reduce__(self):
+        kwargs = {
+            "required_by_owner": self.required_by_owner,
+            "available_by_owner": self.available_by_owner,
+            "deficit_by_owner": self.deficit_by_owner,
+            "reason": self.reason,
+        }
+        return (_rebuild, (KVCapacityWaitError, (self.message,), kwargs))
+
+
+class LaneUnavailableError(CPKVError, RuntimeError):
+    """A lane died: the requests with pages on it are lost.
+
+    Their pages on the other lanes have been freed; the lane comes back with an
+    empty shard. Submit the lost requests again from scratch.
+
+    Attributes:
+        lane: the CP rank that died.
+        rids: the requests lost with it.
+    """
+
+    def __init__(self, lane: int, rids: Sequence[Hashable], detail: str = "") -> None:
+        self.lane = int(lane)
+        self.rids = list(rids)
+        self.detail = detail
+        extra = f" ({detail})" if detail else ""
+        super().__init__(f"lane {self.lane} is unavailable{extra}; lost requests: {self.rids}")
+
+    def __reduce__(self):
+        return (_rebuild, (LaneUnavailableError, (self.lane, self.rids, self.detail), {}))
+
+
+class CoordinatorUnavailableError(CPKVError, RuntimeError):
+    """The coordinator died or restarted: every request it held is lost.
+
+    Attributes:
+        rids: the caller's requests that were lost (those this client knew of).
+    """
+
+    def __init__(self, detail: str, rids: Sequence[Hashable] = ()) -> None:
+        self.detail = detail
+        self.rids = list(rids)
+        super().__init__(f"coordinator unavailable: {detail}; lost requests: {self.rids}")
+
+    def __reduce__(self):
+        return (_rebuild, (CoordinatorUnavailableError, (self.detail, self.rids), {}))
+
+
+class RequestTimeoutError(CPKVError, TimeoutError):
+    """A client call got no answer in time (the actor is hung, dead or overloaded)."""
+
+
+def _rebuild(cls, args, kwargs):
+    return cls(*args, **kwargs)

@@ -1,0 +1,161 @@
+"""In-sequence page compute owners: which CP rank computes and stores each new page.
+
+The ``n`` new pages of an extend are cut into ``2 * cp_size`` contiguous
+segments whose sizes differ by at most one page; lane ``r`` owns segments ``r``
+and ``2 * cp_size - 1 - r`` (zigzag), which balances causal-attention work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpkv._validate import check_int
+
+__all__ = [
+    "OwnerPlan",
+    "build_in_seq_page_compute_owners",
+    "build_owner_plan",
+    "in_seq_page_compute_owner_unavailable_reason",
+]
+
+REASON_CP_SIZE_1 = "cp_size_1"
+REASON_PREFIX_NOT_ALIGNED = "prefix_not_page_aligned"
+REASON_EXTEND_TOO_SHORT = "extend_too_short"
+REASON_MULTI_BATCH = "multi_batch"
+
+
+def _checked(extend_len, extend_prefix_len, page_size, cp_size) -> tuple[int, int, int, int]:
+    return (
+        check_int("extend_len", extend_len, minimum=0),
+        check_int("extend_prefix_len", extend_prefix_len, minimum=0),
+        check_int("page_size", page_size, minimum=1),
+        check_int("cp_size", cp_size, minimum=1),
+    )
+
+
+def in_seq_page_compute_owner_unavailable_reason(
+    extend_len: int,
+    extend_prefix_len: int,
+    page_size: int,
+    cp_size: int,
+    *,
+    multi_batch: bool = False,
+) -> str | None:
+    """Say why no owner plan exists for this extend, or ``None`` when one does.
+
+    Args:
+        extend_len: new tokens of this prefill step.
+        extend_prefix_len: tokens already cached before them.
+        page_size: tokens per page.
+        cp_size: number of CP ranks.
+        multi_batch: the step holds more than one request.
+
+    Returns:
+        ``multi_batch``, ``cp_size_1``, ``prefix_not_page_aligned``,
+        ``extend_too_short``, or ``None``.
+
+    Raises:
+        InvalidRequestError (a ValueError): a negative or non-integer length,
+            ``page_size < 1`` or ``cp_size < 1``.
+    """
+    extend_len, extend_prefix_len, page_size, cp_size = _checked(
+        extend_len, extend_prefix_len, page_size, cp_size
+    )
+    if multi_batch:
+        return REASON_MULTI_BATCH
+    if cp_size < 2:
+        return REASON_CP_SIZE_1
+    if extend_prefix_len % page_size:
+        return REASON_PREFIX_NOT_ALIGNED
+    if -(-extend_len // page_size) < 2 * cp_size:
+        return REASON_EXTEND_TOO_SHORT
+    return None
+
+
+def _segment_bounds(num_pages: int, num_segments: int) -> np.ndarray:
+    """Page index bounds ``[num_segments + 1]``; the first ``n % S`` segments are one longer."""
+    base, extra = divmod(num_pages, num_segments)
+    sizes = np.full(num_segments, base, dtype=np.int64)
+    sizes[:extra] += 1
+    bounds = np.zeros(num_segments + 1, dtype=np.int64)
+    np.cumsum(sizes, out=bounds[1:])
+    return bounds
+
+
+def _owners_from_bounds(num_pages: int, cp_size: int, bounds: np.ndarray) -> np.ndarray:
+    num_segments = 2 * cp_size
+    # searchsorted maps each page to its segment without a per-page Python loop.
+    segment = np.searchsorted(bounds, np.arange(num_pages), side="right") - 1
+    mirrored = num_segments - 1 - segment
+    return np.where(segment < cp_size, segment, mirrored).astype(np.int32)
+
+
+def build_in_seq_page_compute_owners(
+    extend_len: int, extend_prefix_len: int, page_size: int, cp_size: int
+) -> np.ndarray | None:
+    """Return the compute owner of every new page, or ``None`` when unavailable.
+
+    Args: as :func:`in_seq_page_compute_owner_unavailable_reason`.
+
+    Returns:
+        ``int32 [ceil(extend_len / page_size)]`` owner lane per new page, in
+        sequence order; ``None`` when a reason applies (ask that function why).
+
+    Raises:
+        InvalidRequestError (a ValueError): bad arguments, as above.
+    """
+    plan = build_owner_plan(extend_len, extend_prefix_len, page_size, cp_size)
+    return None if plan is None else plan.page_owners
+
+
+@dataclass(slots=True, frozen=True)
+class OwnerPlan:
+    """How one extend's new pages and tokens are split over the lanes.
+
+    Attributes:
+        page_owners: ``int32 [num_pages]`` owner lane of each new page.
+        segment_bounds: ``int64 [2 * cp_size + 1]`` page bounds of the segments.
+        pages_per_lane: ``int64 [cp_size]`` new pages each lane owns.
+        lane_token_ranges: per lane, its ``(start, end)`` token ranges relative
+            to the first new token (two ranges, zigzag; empty ranges dropped).
+    """
+
+    page_owners: np.ndarray
+    segment_bounds: np.ndarray
+    pages_per_lane: np.ndarray
+    lane_token_ranges: tuple[tuple[tuple[int, int], ...], ...]
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.page_owners.shape[0])
+
+
+def build_owner_plan(
+    extend_len: int, extend_prefix_len: int, page_size: int, cp_size: int
+) -> OwnerPlan | None:
+    """Build the zigzag owner plan with each lane's token ranges, or ``None``.
+
+    Raises:
+        InvalidRequestError (a ValueError): bad arguments.
+    """
+    if in_seq_page_compute_owner_unavailable_reason(
+        extend_len, extend_prefix_len, page_size, cp_size
+    ):
+        return None
+    num_pages = -(-extend_len // page_size)
+    bounds = _segment_bounds(num_pages, 2 * cp_size)
+    owners = _owners_from_bounds(num_pages, cp_size, bounds)
+    token_bounds = np.minimum(bounds * page_size, extend_len)
+    last = 2 * cp_size - 1
+    ranges = tuple(
+        tuple(
+            (int(token_bounds[s]), int(token_bounds[s + 1]))
+            for s in (r, last - r)
+            if token_bounds[s + 1] > token_bounds[s]
+        )
+        for r in range(cp_size)
+    )
+    per_lane = np.bincount(owners, minlength=cp_size).astype(np.int64)
+    return OwnerPlan(owners, bounds, per_lane, ranges)
