@@ -338,7 +338,7 @@ class PrefixCache:
 
     # -------------------------------------------------------------- lane loss
     def drop_lane(self, lane: int) -> np.ndarray:
-        """Forget every node holding a page on ``lane``, with its subtree.
+        """Forget every cached page from the first one on ``lane`` down, subtrees included.
 
         Returns:
             ``int32`` global ids of the dropped pages on the *other* lanes,
@@ -349,6 +349,9 @@ class PrefixCache:
         for top in doomed:
             if top.id not in self._nodes:
                 continue  # already gone with an ancestor
+            first = int(np.flatnonzero(top.pages % self.cp_size == lane)[0])
+            if first:
+                self._split(top, first)  # keep the pages before the lost one
             stack = [top]
             del top.parent.children[int(top.hashes[0])]
             while stack:
