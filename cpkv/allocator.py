@@ -37,14 +37,16 @@ def slots_from_pages(
     Returns:
         ``int64 [num_tokens]``.
     """
-    out = np.empty(num_tokens, dtype=np.int64)
+    num_pages = int(new_pages.shape[0])
+    out = np.empty(head_len + num_pages * page_size, dtype=np.int64)
     if head_len:
         out[:head_len] = np.arange(head_slot, head_slot + head_len, dtype=np.int64)
-    rest = num_tokens - head_len
-    if rest:
-        body = new_pages.astype(np.int64)[:, None] * page_size + np.arange(page_size)
-        out[head_len:] = body.ravel()[:rest]
-    return out
+    if num_pages:
+        # Broadcast straight into the output: no temporaries of the slot array's size.
+        body = out[head_len:].reshape(num_pages, page_size)
+        np.multiply(new_pages[:, None], page_size, out=body, dtype=np.int64, casting="unsafe")
+        body += np.arange(page_size, dtype=np.int64)
+    return out[:num_tokens]
 
 
 def split_slots_by_lane(

@@ -84,12 +84,11 @@ def _segment_bounds(num_pages: int, num_segments: int) -> np.ndarray:
     return bounds
 
 
-def _owners_from_bounds(num_pages: int, cp_size: int, bounds: np.ndarray) -> np.ndarray:
-    num_segments = 2 * cp_size
-    # searchsorted maps each page to its segment without a per-page Python loop.
-    segment = np.searchsorted(bounds, np.arange(num_pages), side="right") - 1
-    mirrored = num_segments - 1 - segment
-    return np.where(segment < cp_size, segment, mirrored).astype(np.int32)
+def _owners_from_bounds(cp_size: int, bounds: np.ndarray) -> np.ndarray:
+    lanes = np.arange(cp_size, dtype=np.int32)
+    # Segment s is owned by s, then mirrored; one repeat fills all pages without a Python loop.
+    segment_owner = np.concatenate([lanes, lanes[::-1]])
+    return np.repeat(segment_owner, np.diff(bounds))
 
 
 def build_in_seq_page_compute_owners(
@@ -106,8 +105,12 @@ def build_in_seq_page_compute_owners(
     Raises:
         InvalidRequestError (a ValueError): bad arguments, as above.
     """
-    plan = build_owner_plan(extend_len, extend_prefix_len, page_size, cp_size)
-    return None if plan is None else plan.page_owners
+    if in_seq_page_compute_owner_unavailable_reason(
+        extend_len, extend_prefix_len, page_size, cp_size
+    ):
+        return None
+    num_pages = -(-int(extend_len) // int(page_size))
+    return _owners_from_bounds(int(cp_size), _segment_bounds(num_pages, 2 * int(cp_size)))
 
 
 @dataclass(slots=True, frozen=True)
@@ -146,16 +149,13 @@ def build_owner_plan(
         return None
     num_pages = -(-extend_len // page_size)
     bounds = _segment_bounds(num_pages, 2 * cp_size)
-    owners = _owners_from_bounds(num_pages, cp_size, bounds)
-    token_bounds = np.minimum(bounds * page_size, extend_len)
+    owners = _owners_from_bounds(cp_size, bounds)
+    sizes = np.diff(bounds)
+    per_lane = sizes[:cp_size] + sizes[cp_size:][::-1]
+    tb = np.minimum(bounds * page_size, extend_len).tolist()
     last = 2 * cp_size - 1
     ranges = tuple(
-        tuple(
-            (int(token_bounds[s]), int(token_bounds[s + 1]))
-            for s in (r, last - r)
-            if token_bounds[s + 1] > token_bounds[s]
-        )
+        tuple((tb[s], tb[s + 1]) for s in (r, last - r) if tb[s + 1] > tb[s])
         for r in range(cp_size)
     )
-    per_lane = np.bincount(owners, minlength=cp_size).astype(np.int64)
     return OwnerPlan(owners, bounds, per_lane, ranges)

@@ -311,13 +311,13 @@ class PrefixCache:
 
     def _trim(self, leaf: _Node, remaining: np.ndarray) -> np.ndarray:
         """Drop the fewest tail pages of ``leaf`` that cover what it can of ``remaining``."""
-        lanes = leaf.pages % self.cp_size
-        rev = lanes[::-1]
         need = np.minimum(remaining, leaf.lane_counts)
-        take = 0 if need.any() else len(leaf)
-        for r in np.flatnonzero(need):
-            hits = np.flatnonzero(rev == r)
-            take = max(take, int(hits[need[r] - 1]) + 1)
+        take = 0 if need.any() else len(leaf)  # no page that helps: it goes whole
+        if take == 0:
+            rev = (leaf.pages % self.cp_size)[::-1]
+            for r in np.flatnonzero(need):
+                # The need[r]-th page of lane r counted from the tail bounds the cut.
+                take = max(take, int(np.flatnonzero(rev == r)[need[r] - 1]) + 1)
         taken = leaf.pages[len(leaf) - take :]
         counts = np.bincount(taken % self.cp_size, minlength=self.cp_size).astype(np.int64)
         self._cached -= counts
