@@ -203,6 +203,8 @@ class CPAllocator:
         max_reqs: concurrent requests (rows of the request table).
         max_context_len: most tokens one request may hold.
         enable_prefix_cache: keep freed full pages for reuse.
+        record_page_moves: journal every page taken or released per lane, for
+            :meth:`drain_page_moves` (the coordinator forwards them to the lanes).
 
     Raises:
         InvalidRequestError (a ValueError): a bad size.
@@ -217,6 +219,7 @@ class CPAllocator:
         max_context_len: int = 1 << 20,
         *,
         enable_prefix_cache: bool = True,
+        record_page_moves: bool = False,
     ) -> None:
         self.config = CPConfig(cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len)
         self.cp_size = cp_size
@@ -230,6 +233,9 @@ class CPAllocator:
         self._counters = _Counters()
         self._logged_reasons: set[str] = set()
         self.max_evict_attempts = max(2, min(8, cp_size))
+        self._moves: list[tuple[list[np.ndarray], list[np.ndarray]]] | None = (
+            [([], []) for _ in range(cp_size)] if record_page_moves else None
+        )
 
     @classmethod
     def from_config(cls, config: CPConfig, **kwargs) -> CPAllocator:
@@ -600,8 +606,28 @@ class CPAllocator:
             self._lost[rid] = lane
         self._release(self._cache.drop_lane(lane))
         self._pools[lane].reset()
+        if self._moves is not None:
+            self._moves[lane] = ([], [])  # the lane is reset whole, not page by page
         self._counters.requests_lost += len(lost)
         return lost
+
+    def drain_page_moves(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per lane ``(taken, released)`` local pages since the last drain (int32).
+
+        Only with ``record_page_moves=True``. Drain after every operation: within
+        one operation releases (eviction, free) always precede takes, so a lane
+        applies ``released`` first, then ``taken``.
+        """
+        assert self._moves is not None, "construct with record_page_moves=True"
+        out = []
+        for r in range(self.cp_size):
+            taken, released = self._moves[r]
+            out.append((
+                np.concatenate(taken) if taken else _EMPTY_I32,
+                np.concatenate(released) if released else _EMPTY_I32,
+            ))
+            self._moves[r] = ([], [])
+        return out
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -773,7 +799,7 @@ class CPAllocator:
                 break
             self._counters.pages_evicted += result.num_pages
             for r, pages in enumerate(result.freed_pages):
-                self._pools[r].free(pages // self.cp_size)
+                self._free_local(r, pages // self.cp_size)
             owners = planner()
         required = np.bincount(owners, minlength=self.cp_size)
         deficit = np.maximum(0, required - self.num_free_pages_per_lane())
@@ -802,6 +828,8 @@ class CPAllocator:
         counts = np.bincount(owners, minlength=self.cp_size)
         for r in np.flatnonzero(counts):
             local = self._pools[r].allocate(int(counts[r]))
+            if self._moves is not None:
+                self._moves[r][0].append(local)
             out[owners == r] = local * self.cp_size + r
         self._counters.pages_allocated += int(owners.shape[0])
         return out
@@ -813,7 +841,12 @@ class CPAllocator:
         for r in range(self.cp_size):
             mine = pages[lanes == r]
             if mine.size:
-                self._pools[r].free(mine // self.cp_size)
+                self._free_local(r, mine // self.cp_size)
+
+    def _free_local(self, lane: int, local: np.ndarray) -> None:
+        self._pools[lane].free(local)
+        if self._moves is not None:
+            self._moves[lane][1].append(local)
 
     def _count_fallback(self, reason: str, num_tokens: int) -> None:
         by = self._counters.fallbacks_by_reason

@@ -1,0 +1,302 @@
+"""CoordinatorActor: the CPU-only actor that wraps the decision core.
+
+It answers the caller from its exact mirror of the lanes (the core), then sends
+each lane touched its page moves as ordered calls it does not wait for, so one
+allocation is one round trip for the caller and at most ``cp_size`` lane calls.
+A heartbeat thread compares each lane's own count with the mirror and detects
+lanes that died or restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import ray
+
+from cpkv.allocator import CPAllocator
+from cpkv.config import CPConfig, KVShape
+from cpkv.errors import CoordinatorUnavailableError, CPKVError
+
+logger = logging.getLogger("cpkv.coordinator")
+
+# Replies kept for calls a client may retry after a lost answer.
+_MAX_REMEMBERED_CALLS = 1024
+# Fire-and-forget lane calls checked before we wait on the oldest (backpressure).
+_MAX_PENDING_LANE_CALLS = 2048
+
+
+class _Metrics:
+    """Pages per lane and capacity waits as Ray metrics (Prometheus on a cluster)."""
+
+    def __init__(self) -> None:
+        try:
+            from ray.util.metrics import Counter, Gauge
+
+            self._pages = Gauge("cpkv_pages", "pages per lane by state", tag_keys=("lane", "state"))
+            self._waits = Counter("cpkv_capacity_waits", "KVCapacityWaitError raised")
+            self._evicted = Counter("cpkv_pages_evicted", "prefix-cache pages evicted")
+        except Exception:  # metrics are optional: never fail the coordinator for them
+            self._pages = None
+        self._last = {"capacity_waits": 0, "pages_evicted": 0}
+
+    def update(self, stats: dict) -> None:
+        if self._pages is None:
+            return
+        for state in ("free", "used", "cached"):
+            for lane, value in enumerate(stats[state]):
+                self._pages.set(value, tags={"lane": str(lane), "state": state})
+        for name, counter in (("capacity_waits", self._waits), ("pages_evicted", self._evicted)):
+            delta = stats[name] - self._last[name]
+            if delta > 0:
+                counter.inc(delta)
+            self._last[name] = stats[name]
+
+
+@ray.remote(num_cpus=0, max_restarts=2, max_task_retries=0)
+class CoordinatorActor:
+    """Holds the core, the lanes' handles and the request table.
+
+    Args:
+        config: pool shape.
+        kv: KV tensor shape of the lanes.
+        lanes: one lane actor handle per CP rank.
+        heartbeat_s: seconds between heartbeats (0 turns them off).
+        lane_restart_timeout_s: how long to wait for a dead lane to come back.
+    """
+
+    def __init__(
+        self,
+        config: CPConfig,
+        kv: KVShape,
+        lanes: list,
+        heartbeat_s: float = 1.0,
+        lane_restart_timeout_s: float = 60.0,
+    ) -> None:
+        assert len(lanes) == config.cp_size, (len(lanes), config.cp_size)
+        self._config = config
+        self._kv = kv
+        self._lanes = list(lanes)
+        self._core = CPAllocator.from_config(config, record_page_moves=True)
+        self._lock = threading.RLock()
+        self._epoch = uuid.uuid4().hex
+        self._op = 0
+        self._answers: OrderedDict[Hashable, object] = OrderedDict()
+        self._pending: list[tuple[int, ray.ObjectRef]] = []
+        self._lane_restart_timeout_s = lane_restart_timeout_s
+        self._mirror_mismatches = 0
+        self._lane_losses: list[tuple[int, list]] = []
+        self._lane_calls = 0
+        self._metrics = _Metrics()
+        # A (re)started coordinator knows no pages: make the lanes agree.
+        self._incarnations = ray.get(
+            [lane.reset.remote() for lane in self._lanes], timeout=lane_restart_timeout_s
+        )
+        self._stop = threading.Event()
+        if heartbeat_s > 0:
+            threading.Thread(
+                target=self._heartbeat_loop, args=(heartbeat_s,), daemon=True, name="cpkv-heartbeat"
+            ).start()
+
+    # ------------------------------------------------------------ the calls
+    def hello(self) -> dict:
+        return {"epoch": self._epoch, "config": self._config, "kv": self._kv, "lanes": self._lanes}
+
+    def allocate_extend(self, epoch: str, call_id: Hashable, rid: Hashable, tokens):
+        def run():
+            alloc = self._core.allocate_extend(rid, tokens)
+            return alloc, ("extend", rid, alloc.seq)
+
+        return self._call(epoch, call_id, run)
+
+    def allocate_extend_batch(self, epoch: str, call_id: Hashable, items):
+        def run():
+            allocs = self._core.allocate_extend_batch(items)
+            return allocs, ("batch", self._op)
+
+        return self._call(epoch, call_id, run)
+
+    def allocate_decode(self, epoch: str, call_id: Hashable, rids, token_ids):
+        def run():
+            return self._core.allocate_decode(rids, token_ids), ("decode", self._op)
+
+        return self._call(epoch, call_id, run)
+
+    def free(self, epoch: str, call_id: Hashable, rid: Hashable, cache: bool, committed_len):
+        def run():
+            seq = self._core.request_seq(rid) if self._core.has_request(rid) else -1
+            return self._core.free(rid, cache, committed_len), ("free", rid, seq)
+
+        return self._call(epoch, call_id, run)
+
+    def report_lane_failure(self, epoch: str, lane: int, detail: str = "") -> list:
+        """A client saw ``lane`` fail: confirm with a heartbeat; return the rids lost."""
+        if epoch != self._epoch:
+            return CoordinatorUnavailableError("coordinator restarted")
+        alive = self._probe(lane)
+        with self._lock:
+            if alive:
+                return []
+            return self._lane_lost(lane, detail or "reported by a client")
+
+    def stats(self) -> dict:
+        with self._lock:
+            self._poll_pending()
+            out = self._core.stats()
+            out["epoch"] = self._epoch
+            out["mirror_mismatches"] = self._mirror_mismatches
+            out["lane_losses"] = [[lane, len(rids)] for lane, rids in self._lane_losses]
+            out["lane_calls"] = self._lane_calls
+            return out
+
+    def check(self) -> dict:
+        """Core invariants plus every lane's own count against the mirror (waits for lanes)."""
+        with self._lock:
+            problems = []
+            try:
+                self._core.check_invariants()
+            except AssertionError as e:
+                problems.append(f"core: {e}")
+            expected = self._held_per_lane()
+            known = list(self._incarnations)
+            refs = [lane.heartbeat.remote() for lane in self._lanes]
+        for r, ref in enumerate(refs):
+            try:
+                incarnation, held = ray.get(ref, timeout=self._lane_restart_timeout_s)
+            except Exception as e:  # a dead lane is a finding here, not a crash
+                problems.append(f"lane {r}: {type(e).__name__}")
+                continue
+            if incarnation != known[r]:
+                problems.append(f"lane {r}: restarted and not yet recovered")
+            elif held != expected[r]:
+                problems.append(f"lane {r}: holds {held} pages, mirror says {expected[r]}")
+        return {"ok": not problems, "problems": problems, "held": expected}
+
+    def epoch(self) -> str:
+        return self._epoch
+
+    def ping(self) -> None:
+        """A no-op round trip."""
+
+    def shutdown(self) -> None:
+        self._stop.set()
+
+    # ----------------------------------------------------------- internals
+    def _call(self, epoch: str, call_id: Hashable, run: Callable):
+        if epoch != self._epoch:
+            return CoordinatorUnavailableError(
+                f"coordinator restarted (epoch {epoch[:8]} is gone, now {self._epoch[:8]})"
+            )
+        with self._lock:
+            if call_id is not None and call_id in self._answers:
+                return self._answers[call_id]
+            self._poll_pending()
+            self._op += 1
+            try:
+                answer, key = run()
+            except CPKVError as e:
+                answer, key = e, ("error", self._op)
+            self._dispatch(key)
+            if call_id is not None:
+                self._answers[call_id] = answer
+                if len(self._answers) > _MAX_REMEMBERED_CALLS:
+                    self._answers.popitem(last=False)
+            return answer
+
+    def _dispatch(self, key: Hashable) -> None:
+        """Send each lane its page moves; do not wait (Ray keeps them in order)."""
+        for r, (taken, released) in enumerate(self._core.drain_page_moves()):
+            if taken.size or released.size:
+                ref = self._lanes[r].apply.remote(key, taken, released)
+                self._pending.append((r, ref))
+                self._lane_calls += 1
+        if len(self._pending) > _MAX_PENDING_LANE_CALLS:
+            self._poll_pending(block_oldest=True)
+
+    def _poll_pending(self, block_oldest: bool = False) -> None:
+        if not self._pending:
+            return
+        refs = [ref for _, ref in self._pending]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if block_oldest and not ready:
+            ready, _ = ray.wait(refs[:1], timeout=self._lane_restart_timeout_s)
+        ready = set(ready)
+        failed = set()
+        keep = []
+        for r, ref in self._pending:
+            if ref not in ready:
+                keep.append((r, ref))
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                failed.add(r)
+            except Exception:
+                logger.exception("lane %d rejected a page move", r)
+                failed.add(r)
+        self._pending = keep
+        for r in sorted(failed):
+            self._lane_lost(r, "a page move failed")
+
+    def _held_per_lane(self) -> list[int]:
+        free = self._core.num_free_pages_per_lane()
+        return (self._config.num_pages_per_lane - 1 - free).tolist()
+
+    def _probe(self, lane: int) -> bool:
+        """True when ``lane`` answers with the incarnation we know."""
+        try:
+            incarnation, _ = ray.get(
+                self._lanes[lane].heartbeat.remote(), timeout=self._lane_restart_timeout_s
+            )
+        except Exception:
+            return False
+        return incarnation == self._incarnations[lane]
+
+    def _lane_lost(self, lane: int, why: str) -> list:
+        """Fail the lane's requests, free their other pages, bring the lane back empty."""
+        assert self._lock._is_owned()  # type: ignore[attr-defined]
+        lost = self._core.drop_lane(lane)
+        self._op += 1
+        self._dispatch(("lane_lost", lane, self._op))
+        self._pending = [(r, ref) for r, ref in self._pending if r != lane]
+        self._lane_losses.append((lane, lost))
+        logger.warning("lane %d lost (%s): %d requests failed: %s", lane, why, len(lost), lost)
+        try:
+            self._incarnations[lane] = ray.get(
+                self._lanes[lane].reset.remote(), timeout=self._lane_restart_timeout_s
+            )
+        except Exception as e:
+            logger.error("lane %d did not come back: %s", lane, e)
+        return lost
+
+    def _heartbeat_loop(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            try:
+                self._heartbeat_once()
+            except Exception:
+                logger.exception("heartbeat failed")
+
+    def _heartbeat_once(self) -> None:
+        with self._lock:
+            self._poll_pending()
+            expected = self._held_per_lane()
+            known = list(self._incarnations)
+            refs = [lane.heartbeat.remote() for lane in self._lanes]
+            self._metrics.update(self._core.stats())
+        deadline = time.monotonic() + max(5.0, self._lane_restart_timeout_s)
+        for r, ref in enumerate(refs):
+            try:
+                incarnation, held = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:
+                incarnation, held = None, None
+            if incarnation != known[r]:
+                with self._lock:
+                    if self._incarnations[r] == known[r]:  # nobody handled it meanwhile
+                        self._lane_lost(r, "heartbeat: lane restarted or unreachable")
+            elif held != expected[r]:
+                self._mirror_mismatches += 1
+                logger.error("lane %d holds %d pages but the mirror says %d", r, held, expected[r])

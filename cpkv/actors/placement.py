@@ -1,0 +1,104 @@
+"""Placement of the lanes: one placement-group bundle per lane."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cpkv.config import CPConfig, KVShape
+from cpkv.errors import InvalidRequestError
+
+__all__ = ["STRATEGIES", "LanePlacement", "place_lanes"]
+
+STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+@dataclass(slots=True)
+class LanePlacement:
+    """The lanes' actors and the placement group that holds them."""
+
+    lanes: list
+    placement_group: object
+
+    def remove(self) -> None:
+        for lane in self.lanes:
+            ray.kill(lane, no_restart=True)
+        remove_placement_group(self.placement_group)
+
+
+def place_lanes(
+    config: CPConfig,
+    kv: KVShape,
+    *,
+    num_gpus_per_lane: float = 1.0,
+    num_cpus_per_lane: float = 0.25,
+    strategy: str = "STRICT_PACK",
+    timeout_s: float = 60.0,
+    name_prefix: str | None = None,
+    detached: bool = False,
+) -> LanePlacement:
+    """Reserve one bundle per lane and start a lane actor in each.
+
+    Args:
+        config: pool shape; ``cp_size`` lanes are placed.
+        kv: KV tensor shape of each lane.
+        num_gpus_per_lane: GPUs a lane takes (fractional packs lanes on one GPU;
+            0 runs lanes without a GPU).
+        num_cpus_per_lane: logical CPUs a lane reserves.
+        strategy: placement-group strategy, one of :data:`STRATEGIES`.
+        timeout_s: how long to wait for the bundles.
+        name_prefix: name the lane actors ``{prefix}lane{r}`` when given.
+        detached: outlive the creating driver.
+
+    Raises:
+        InvalidRequestError: a bad strategy or resource amount.
+        TimeoutError: the cluster cannot fit the bundles in time.
+    """
+    from cpkv.actors.lane import LaneActor
+
+    if strategy not in STRATEGIES:
+        raise InvalidRequestError(f"strategy={strategy!r}; expected one of {STRATEGIES}")
+    if num_gpus_per_lane < 0 or num_cpus_per_lane < 0:
+        raise InvalidRequestError(
+            f"num_gpus_per_lane={num_gpus_per_lane}, num_cpus_per_lane={num_cpus_per_lane} "
+            "must be >= 0"
+        )
+    if num_gpus_per_lane > 1 and num_gpus_per_lane != int(num_gpus_per_lane):
+        raise InvalidRequestError(
+            f"num_gpus_per_lane={num_gpus_per_lane}: above 1 it must be whole"
+        )
+    bundle = {"CPU": num_cpus_per_lane, "GPU": num_gpus_per_lane}
+    bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.01}
+    pg = placement_group(
+        [dict(bundle) for _ in range(config.cp_size)],
+        strategy=strategy,
+        lifetime="detached" if detached else None,
+    )
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise TimeoutError(
+            f"placement group of {config.cp_size} x {bundle} ({strategy}) not ready after "
+            f"{timeout_s}s; cluster resources: {ray.cluster_resources()}"
+        ) from None
+    lanes = []
+    for r in range(config.cp_size):
+        opts = dict(
+            num_cpus=num_cpus_per_lane,
+            num_gpus=num_gpus_per_lane,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=r
+            ),
+        )
+        if name_prefix is not None:
+            opts["name"] = f"{name_prefix}lane{r}"
+        if detached:
+            opts["lifetime"] = "detached"
+        lanes.append(
+            LaneActor.options(**opts).remote(r, config.num_pages_per_lane, config.page_size, kv)
+        )
+    return LanePlacement(lanes, pg)

@@ -1,0 +1,476 @@
+"""CPKVClient: the plain Python face of cpkv; Ray stays inside.
+
+client = cpkv.connect(cp_size=4, page_size=64, num_pages_per_lane=4096)
+alloc = client.allocate_extend("req-1", token_ids)
+client.store_kv(alloc.out_cache_loc, k, v)        # the lanes' K/V for those tokens
+client.free("req-1")
+client.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import time
+import uuid
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from cpkv._ray_env import NAMESPACE, ensure_ray, local_gpu_count
+from cpkv._validate import as_token_array, check_int
+from cpkv.allocator import ExtendAllocation, split_slots_by_lane
+from cpkv.config import CPConfig, KVShape
+from cpkv.errors import (
+    CoordinatorUnavailableError,
+    InvalidRequestError,
+    KVCapacityWaitError,
+    LaneUnavailableError,
+    RequestTimeoutError,
+)
+
+__all__ = ["CPKVClient", "connect"]
+
+logger = logging.getLogger("cpkv.client")
+
+DEFAULT_NAME = "cpkv-coordinator"
+
+
+def connect(
+    address: str | None = None,
+    *,
+    cp_size: int = 4,
+    page_size: int = 64,
+    num_pages_per_lane: int = 1024,
+    max_reqs: int = 256,
+    max_context_len: int = 1 << 20,
+    num_gpus_per_lane: float | None = None,
+    num_cpus_per_lane: float = 0.25,
+    strategy: str = "STRICT_PACK",
+    name: str = DEFAULT_NAME,
+    timeout_s: float = 60.0,
+    heartbeat_s: float = 1.0,
+    detached: bool = False,
+    num_layers: int = 1,
+    num_heads: int = 8,
+    head_dim: int = 128,
+    dtype: str = "bfloat16",
+) -> CPKVClient:
+    """Start or attach to Ray, get or create the named coordinator and its lanes.
+
+    Args:
+        address: ``None`` starts an embedded Ray on 127.0.0.1 (logical GPUs when
+            the machine has none); ``"auto"`` or ``"ray://host:port"`` attaches.
+        cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len: the
+            pool (see :class:`cpkv.CPConfig`).
+        num_gpus_per_lane: GPUs per lane; default 1, or ``1 / cp_size`` packed on
+            the one GPU of a single-GPU machine.
+        num_cpus_per_lane: logical CPUs each lane reserves.
+        strategy: ``STRICT_PACK`` (default), ``PACK``, ``SPREAD`` or ``STRICT_SPREAD``.
+        name: the coordinator's actor name; an existing one is attached to.
+        timeout_s: every client call fails with RequestTimeoutError after this.
+        heartbeat_s: the coordinator's lane heartbeat period.
+        detached: actors outlive this driver (for shared, long-lived pools).
+        num_layers, num_heads, head_dim, dtype: each lane's K/V tensors.
+
+    Returns:
+        A :class:`CPKVClient`.
+
+    Raises:
+        InvalidRequestError: bad sizes, or an existing coordinator of another shape.
+        TimeoutError: the lanes could not be placed in time.
+    """
+    import ray
+
+    config = CPConfig(cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len)
+    kv = KVShape(num_layers, num_heads, head_dim, dtype)
+    started = ensure_ray(
+        address,
+        num_cpus=max(4, cp_size + 2) if address is None else None,
+        num_gpus=(local_gpu_count() or cp_size) if address is None else None,
+    )
+    if num_gpus_per_lane is None:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        num_gpus_per_lane = 1.0 if gpus >= cp_size else (gpus / cp_size if gpus else 0.0)
+    try:
+        coordinator = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        coordinator = None
+    placement = None
+    if coordinator is None:
+        from cpkv.actors.coordinator import CoordinatorActor
+        from cpkv.actors.placement import place_lanes
+
+        placement = place_lanes(
+            config,
+            kv,
+            num_gpus_per_lane=num_gpus_per_lane,
+            num_cpus_per_lane=num_cpus_per_lane,
+            strategy=strategy,
+            timeout_s=timeout_s,
+            detached=detached,
+        )
+        opts = {"name": name, "namespace": NAMESPACE, "get_if_exists": True}
+        if detached:
+            opts["lifetime"] = "detached"
+        coordinator = CoordinatorActor.options(**opts).remote(
+            config, kv, placement.lanes, heartbeat_s, timeout_s
+        )
+    client = CPKVClient(coordinator, timeout_s=timeout_s, placement=placement, owns_ray=started)
+    if client.config != config and placement is None:
+        raise InvalidRequestError(
+            f"coordinator {name!r} exists with {client.config}, asked for {config}"
+        )
+    if placement is not None and client.lanes != placement.lanes:
+        placement.remove()  # lost a creation race: another driver's coordinator won
+        client._placement = None
+    return client
+
+
+class CPKVClient:
+    """Talks to one coordinator and its lanes; every call has a timeout.
+
+    Args:
+        coordinator: the coordinator actor handle.
+        timeout_s: seconds before a call fails with RequestTimeoutError.
+        placement: the lanes' placement when this client created them.
+        owns_ray: this client started Ray and stops it on :meth:`shutdown`.
+    """
+
+    def __init__(
+        self, coordinator, *, timeout_s: float = 60.0, placement=None, owns_ray: bool = False
+    ) -> None:
+        import ray
+
+        self._ray = ray
+        self._coord = coordinator
+        self.timeout_s = timeout_s
+        self._placement = placement
+        self._owns_ray = owns_ray
+        self._calls = itertools.count()
+        self._client_id = uuid.uuid4().hex[:12]
+        self._rids: set[Hashable] = set()
+        hello = self._get(self._coord.hello.remote(), "hello")
+        self._epoch: str = hello["epoch"]
+        self.config: CPConfig = hello["config"]
+        self.kv: KVShape = hello["kv"]
+        self.lanes: list = hello["lanes"]
+        self._torch_dtype = None
+
+    # -------------------------------------------------------------- plumbing
+    def _call_id(self) -> tuple[str, int]:
+        return (self._client_id, next(self._calls))
+
+    def _get(self, ref, what: str):
+        ray = self._ray
+        try:
+            out = ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RequestTimeoutError(f"{what}: no answer within {self.timeout_s}s") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            self._lose_all()
+            raise CoordinatorUnavailableError(
+                f"{what}: coordinator died ({type(e).__name__})", self._take_lost()
+            ) from None
+        return self._unwrap(out)
+
+    async def _aget(self, ref, what: str):
+        ray = self._ray
+        try:
+            out = await asyncio.wait_for(ref, timeout=self.timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(f"{what}: no answer within {self.timeout_s}s") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            self._lose_all()
+            raise CoordinatorUnavailableError(
+                f"{what}: coordinator died ({type(e).__name__})", self._take_lost()
+            ) from None
+        return self._unwrap(out)
+
+    def _unwrap(self, out):
+        if isinstance(out, CoordinatorUnavailableError):
+            self._lose_all()
+            self._epoch = self._ray.get(self._coord.epoch.remote(), timeout=self.timeout_s)
+            raise CoordinatorUnavailableError(out.detail, self._take_lost())
+        if isinstance(out, LaneUnavailableError):
+            self._rids.difference_update(out.rids)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def _lose_all(self) -> None:
+        self._lost = sorted(self._rids, key=repr)
+        self._rids.clear()
+
+    def _take_lost(self) -> list:
+        lost, self._lost = getattr(self, "_lost", []), []
+        return lost
+
+    # ------------------------------------------------------------ validation
+    def _check_tokens(self, rid: Hashable, token_ids) -> np.ndarray:
+        tokens = as_token_array(token_ids, name=f"token_ids[{rid!r}]")
+        if tokens.shape[0] > self.config.max_context_len:
+            raise InvalidRequestError(
+                f"rid={rid!r}: {tokens.shape[0]} tokens > max_context_len="
+                f"{self.config.max_context_len}"
+            )
+        return tokens
+
+    def _check_rid(self, rid: Hashable) -> None:
+        try:
+            hash(rid)
+        except TypeError:
+            raise InvalidRequestError(f"rid={rid!r} is not hashable") from None
+
+    # ------------------------------------------------------------ allocation
+    def allocate_extend(self, rid: Hashable, token_ids) -> ExtendAllocation:
+        """Allocate one request's prefill step (see :meth:`cpkv.CPAllocator.allocate_extend`).
+
+        Raises:
+            InvalidRequestError, KVCapacityWaitError, LaneUnavailableError,
+            CoordinatorUnavailableError, RequestTimeoutError.
+        """
+        self._check_rid(rid)
+        tokens = self._check_tokens(rid, token_ids)
+        ref = self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, tokens)
+        out = self._get(ref, "allocate_extend")
+        self._rids.add(rid)
+        return out
+
+    async def allocate_extend_async(self, rid: Hashable, token_ids) -> ExtendAllocation:
+        """Async twin of :meth:`allocate_extend`."""
+        self._check_rid(rid)
+        tokens = self._check_tokens(rid, token_ids)
+        ref = self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, tokens)
+        out = await self._aget(ref, "allocate_extend")
+        self._rids.add(rid)
+        return out
+
+    def allocate_extend_with_backoff(
+        self,
+        rid: Hashable,
+        token_ids,
+        *,
+        deadline_s: float = 30.0,
+        initial_backoff_s: float = 0.005,
+        max_backoff_s: float = 0.5,
+        rng: random.Random | None = None,
+    ) -> ExtendAllocation:
+        """:meth:`allocate_extend`, retried on KVCapacityWaitError with jittered backoff.
+
+        Raises:
+            KVCapacityWaitError: the last one, once ``deadline_s`` has passed.
+        """
+        tokens = self._check_tokens(rid, token_ids)
+        rng = rng or random.Random()
+        end = time.monotonic() + deadline_s
+        backoff = initial_backoff_s
+        while True:
+            try:
+                return self.allocate_extend(rid, tokens)
+            except KVCapacityWaitError:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise
+                # Full jitter keeps many waiting callers from retrying in lockstep.
+                time.sleep(min(left, backoff * (0.5 + rng.random())))
+                backoff = min(max_backoff_s, backoff * 2)
+
+    def allocate_extend_batch(self, items: Sequence[tuple[Hashable, object]]) -> list:
+        """Allocate one prefill step of several requests, all or nothing."""
+        checked = [(rid, self._check_tokens(rid, t)) for rid, t in items]
+        for rid, _ in checked:
+            self._check_rid(rid)
+        if not checked:
+            raise InvalidRequestError("allocate_extend_batch got an empty batch")
+        ref = self._coord.allocate_extend_batch.remote(self._epoch, self._call_id(), checked)
+        out = self._get(ref, "allocate_extend_batch")
+        self._rids.update(rid for rid, _ in checked)
+        return out
+
+    def allocate_decode(self, rids: Sequence[Hashable], token_ids=None) -> np.ndarray:
+        """One more token for each request; ``int64 [len(rids)]`` slots."""
+        rids = list(rids)
+        if not rids:
+            raise InvalidRequestError("allocate_decode got no rids")
+        toks = None if token_ids is None else as_token_array(token_ids)
+        if toks is not None and toks.shape[0] != len(rids):
+            raise InvalidRequestError(
+                f"allocate_decode got {toks.shape[0]} token ids for {len(rids)} rids"
+            )
+        ref = self._coord.allocate_decode.remote(self._epoch, self._call_id(), rids, toks)
+        return self._get(ref, "allocate_decode")
+
+    async def allocate_decode_async(self, rids: Sequence[Hashable], token_ids=None) -> np.ndarray:
+        """Async twin of :meth:`allocate_decode`."""
+        toks = None if token_ids is None else as_token_array(token_ids)
+        ref = self._coord.allocate_decode.remote(self._epoch, self._call_id(), list(rids), toks)
+        return await self._aget(ref, "allocate_decode")
+
+    def free(self, rid: Hashable, cache: bool = True, committed_len: int | None = None) -> int:
+        """Release a request; full pages go to the prefix cache when ``cache``."""
+        self._check_rid(rid)
+        if committed_len is not None:
+            check_int("committed_len", committed_len, minimum=0)
+        ref = self._coord.free.remote(self._epoch, self._call_id(), rid, bool(cache), committed_len)
+        out = self._get(ref, "free")
+        self._rids.discard(rid)
+        return out
+
+    async def free_async(
+        self, rid: Hashable, cache: bool = True, committed_len: int | None = None
+    ) -> int:
+        """Async twin of :meth:`free`."""
+        ref = self._coord.free.remote(self._epoch, self._call_id(), rid, bool(cache), committed_len)
+        out = await self._aget(ref, "free")
+        self._rids.discard(rid)
+        return out
+
+    # ------------------------------------------------------------------- KV
+    def _check_kv(self, slots: np.ndarray, k, v) -> None:
+        import torch
+
+        want = (slots.shape[0], self.kv.num_heads, self.kv.head_dim)
+        dtype = getattr(torch, self.kv.dtype)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidRequestError(f"{name} must be a torch.Tensor, got {type(t)!r}")
+            if tuple(t.shape) != want:
+                raise InvalidRequestError(f"{name} has shape {tuple(t.shape)}, expected {want}")
+            if t.dtype != dtype:
+                raise InvalidRequestError(f"{name} has dtype {t.dtype}, expected {dtype}")
+
+    def _slots(self, slots) -> np.ndarray:
+        arr = np.asarray(slots)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidRequestError(f"slots must be 1-D integers, got {arr.dtype} {arr.shape}")
+        arr = arr.astype(np.int64, copy=False)
+        total = self.config.cp_size * self.config.num_pages_per_lane * self.config.page_size
+        if arr.size and (arr.min() < 0 or arr.max() >= total):
+            raise InvalidRequestError(f"slots span [{arr.min()}, {arr.max()}], valid [0, {total})")
+        return arr
+
+    def store_kv(self, slots, k, v, layer: int = 0) -> None:
+        """Write K/V of tokens at their global slots; each lane gets its own tokens.
+
+        Args:
+            slots: ``int64 [T]`` global slots, e.g. ``alloc.out_cache_loc``.
+            k, v: ``[T, num_heads, head_dim]`` tensors of the lanes' dtype.
+            layer: which layer's shard.
+
+        Raises:
+            InvalidRequestError: shapes, dtypes or slots wrong (before any call).
+            LaneUnavailableError: a lane died; its requests are lost.
+        """
+        slots = self._slots(slots)
+        self._check_kv(slots, k, v)
+        check_int("layer", layer, minimum=0)
+        if layer >= self.kv.num_layers:
+            raise InvalidRequestError(f"layer={layer} >= num_layers={self.kv.num_layers}")
+        refs = []
+        for r, (idx, local) in enumerate(
+            split_slots_by_lane(slots, self.config.page_size, self.config.cp_size)
+        ):
+            if idx.size:
+                ti = _index(idx)
+                refs.append((r, self.lanes[r].store_kv.remote(local, k[ti], v[ti], layer)))
+        self._wait_lanes(refs, "store_kv")
+
+    def gather_kv(self, slots, layer: int = 0):
+        """Read back K/V ``[T, heads, head_dim]`` at global slots (CPU tensors)."""
+        import torch
+
+        slots = self._slots(slots)
+        parts = split_slots_by_lane(slots, self.config.page_size, self.config.cp_size)
+        refs = [
+            (r, self.lanes[r].gather_kv.remote(local, layer))
+            for r, (idx, local) in enumerate(parts)
+            if idx.size
+        ]
+        got = self._wait_lanes(refs, "gather_kv")
+        dtype = getattr(torch, self.kv.dtype)
+        shape = (slots.shape[0], self.kv.num_heads, self.kv.head_dim)
+        k, v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+        for (r, _), (kr, vr) in zip(refs, got, strict=True):
+            ti = _index(parts[r][0])
+            k[ti], v[ti] = kr, vr
+        return k, v
+
+    def _wait_lanes(self, refs: list, what: str) -> list:
+        ray = self._ray
+        out = []
+        for r, ref in refs:
+            try:
+                out.append(self._unwrap(ray.get(ref, timeout=self.timeout_s)))
+            except ray.exceptions.GetTimeoutError:
+                raise RequestTimeoutError(
+                    f"{what}: lane {r} silent for {self.timeout_s}s"
+                ) from None
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                lost = self._get(
+                    self._coord.report_lane_failure.remote(
+                        self._epoch, r, f"{what}: {type(e).__name__}"
+                    ),
+                    "report_lane_failure",
+                )
+                self._rids.difference_update(lost)
+                raise LaneUnavailableError(r, lost, f"{what} failed") from None
+        return out
+
+    # ---------------------------------------------------------------- status
+    def stats(self, lanes: bool = False) -> dict:
+        """The coordinator's per-lane counts and counters; ``lanes`` adds each lane's own."""
+        out = self._get(self._coord.stats.remote(), "stats")
+        if lanes:
+            out["lanes"] = self.lane_info()
+        return out
+
+    async def stats_async(self) -> dict:
+        """Async twin of :meth:`stats`."""
+        return await self._aget(self._coord.stats.remote(), "stats")
+
+    def check(self) -> dict:
+        """Core invariants and each lane's count against the mirror: ``{"ok", "problems"}``."""
+        return self._get(self._coord.check.remote(), "check")
+
+    def lane_info(self) -> list[dict]:
+        """Each lane's node, device, GPU ids and own page counts."""
+        return self._wait_lanes(
+            [(r, lane.info.remote()) for r, lane in enumerate(self.lanes)], "lane_info"
+        )
+
+    def ping_lanes(self) -> None:
+        """A bare parallel no-op round to every lane (the benchmarks' baseline)."""
+        self._wait_lanes([(r, lane.ping.remote()) for r, lane in enumerate(self.lanes)], "ping")
+
+    @property
+    def live_rids(self) -> set:
+        """Requests this client allocated and has not freed."""
+        return set(self._rids)
+
+    def shutdown(self) -> None:
+        """Stop the coordinator and lanes this client created (and Ray, if it started it)."""
+        ray = self._ray
+        with contextlib.suppress(Exception):  # already gone
+            ray.get(self._coord.shutdown.remote(), timeout=5)
+        ray.kill(self._coord, no_restart=True)
+        if self._placement is not None:
+            self._placement.remove()
+            self._placement = None
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> CPKVClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _index(idx: np.ndarray):
+    import torch
+
+    return torch.from_numpy(idx)
