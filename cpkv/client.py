@@ -436,6 +436,11 @@ class CPKVClient:
         """Core invariants and each lane's count against the mirror: ``{"ok", "problems"}``."""
         return self._get(self._coord.check.remote(), "check")
 
+    def reset(self) -> None:
+        """Drop every request and cached page of the pool (all clients'); lanes emptied."""
+        self._get(self._coord.reset.remote(), "reset")
+        self._rids.clear()
+
     def lane_info(self) -> list[dict]:
         """Each lane's node, device, GPU ids and own page counts."""
         return self._wait_lanes(

@@ -176,6 +176,26 @@ class CoordinatorActor:
                 problems.append(f"lane {r}: holds {held} pages, mirror says {expected[r]}")
         return {"ok": not problems, "problems": problems, "held": expected}
 
+    def reset(self) -> None:
+        """Forget every request and cached page; every lane back to an empty shard."""
+        with self._lock:
+            if self._pending:
+                ray.wait(
+                    [ref for _, ref in self._pending],
+                    num_returns=len(self._pending),
+                    timeout=self._lane_restart_timeout_s,
+                )
+            self._core = CPAllocator.from_config(self._config, record_page_moves=True)
+            self._op = 0
+            self._answers: OrderedDict[Hashable, object] = OrderedDict()
+            self._pending = []
+            self._mirror_mismatches = 0
+            self._lane_losses: list[tuple[int, list]] = []
+            self._lane_calls = 0
+            self._incarnations = ray.get(
+                [lane.reset.remote() for lane in self._lanes], timeout=self._lane_restart_timeout_s
+            )
+
     def epoch(self) -> str:
         return self._epoch
 

@@ -125,7 +125,14 @@ def alloc_extend_slots(
     if bs == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
     if not use_triton(_NAME, device):
-        return naive.alloc_extend_slots(prefix_lens, seq_lens, last_loc, new_pages, page_size)
+        return naive.alloc_extend_slots(
+            prefix_lens,
+            seq_lens,
+            last_loc,
+            new_pages,
+            page_size,
+            extend_num_tokens=extend_num_tokens,
+        )
 
     ext_lens = seq_lens.to(torch.int64) - prefix_lens
     page_counts = _cdiv_tensor(seq_lens, page_size) - _cdiv_tensor(prefix_lens, page_size)

@@ -83,8 +83,8 @@ def alloc_extend_slots(
     extend_num_tokens: int | None = None,
     max_extend_len: int | None = None,
 ) -> torch.Tensor:
-    """Reference for :func:`cpkv.kernels.alloc_extend_slots` (size hints are ignored)."""
-    del extend_num_tokens, max_extend_len  # only the kernel's allocation and grid need them
+    """Reference for :func:`cpkv.kernels.alloc_extend_slots` (``max_extend_len`` is ignored)."""
+    del max_extend_len  # only the kernel's grid needs it
     prefix_lens = prefix_lens.to(torch.int64)
     seq_lens = seq_lens.to(torch.int64)
     ext_lens = seq_lens - prefix_lens
@@ -95,6 +95,12 @@ def alloc_extend_slots(
     prefix_pages = -(-prefix_lens // page_size)  # pages the prefix already touches
     page_counts = -(-seq_lens // page_size) - prefix_pages
     _check_total("alloc_extend_slots", "new_pages", new_pages, page_counts, "new page counts")
+    total = int(ext_lens.sum())
+    if extend_num_tokens is not None and extend_num_tokens != total:
+        raise ValueError(
+            f"alloc_extend_slots: extend_num_tokens={extend_num_tokens} but extend lengths sum "
+            f"to {total}"
+        )
     page_starts = torch.cumsum(page_counts, 0) - page_counts
 
     seg, j = _segments(ext_lens)

@@ -1,0 +1,89 @@
+"""One local Ray for the whole test session, on loopback, with logical GPUs."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+# NOTE: set before Ray starts, or it binds the machine's outward address.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+
+import pytest
+
+LOGICAL_GPUS = 16
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """Start Ray once (CPU machine: logical GPUs make GPU placement testable)."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(
+        include_dashboard=False,
+        num_cpus=16,
+        num_gpus=LOGICAL_GPUS,
+        namespace="cpkv",
+        logging_level="ERROR",
+        log_to_driver=False,
+    )
+    yield ray
+    ray.shutdown()
+
+
+DEFAULTS = dict(
+    cp_size=4,
+    page_size=4,
+    num_pages_per_lane=32,
+    max_reqs=32,
+    max_context_len=4096,
+    num_heads=2,
+    head_dim=8,
+    dtype="float32",
+    num_gpus_per_lane=0.5,
+    heartbeat_s=0.2,
+    timeout_s=30.0,
+)
+
+
+@pytest.fixture(scope="session")
+def _client_pool(ray_session):
+    """Clients by configuration, kept for the session: starting lanes costs seconds."""
+    pool: dict = {}
+    yield pool
+    for client in pool.values():
+        client.shutdown()
+
+
+@pytest.fixture
+def make_client(_client_pool):
+    """Give a client of the asked shape, reset to an empty pool.
+
+    ``fresh=True`` makes a new coordinator and lanes, shut down after the test
+    (for tests that kill the coordinator or need their own name).
+    """
+    import cpkv
+
+    own = []
+
+    def make(fresh: bool = False, **kwargs):
+        opts = {**DEFAULTS, **kwargs}
+        if fresh or "name" in kwargs:
+            opts.setdefault("name", f"coord-{uuid.uuid4().hex[:8]}")
+            client = cpkv.connect(**opts)
+            own.append(client)
+            return client
+        key = tuple(sorted(opts.items()))
+        client = _client_pool.get(key)
+        if client is None:
+            opts["name"] = f"coord-{uuid.uuid4().hex[:8]}"
+            client = _client_pool[key] = cpkv.connect(**opts)
+        else:
+            client.reset()
+        return client
+
+    yield make
+    for client in own:
+        client.shutdown()

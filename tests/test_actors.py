@@ -1,0 +1,202 @@
+"""Coordinator and lanes on the shared local Ray, through the public client only."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import cpkv
+from cpkv import CPAllocator, InvalidRequestError, KVCapacityWaitError
+
+pytestmark = pytest.mark.ray
+
+
+def kv_for(tokens: np.ndarray, positions: np.ndarray, heads=2, dim=8):
+    """Deterministic K/V of (token, position), so cached prefixes read back equal."""
+    base = torch.as_tensor(tokens * 1000 + positions, dtype=torch.float32)
+    grid = torch.arange(heads * dim, dtype=torch.float32).reshape(1, heads, dim)
+    k = base[:, None, None] + grid
+    return k, -k
+
+
+def test_owner_plan_pages_reach_their_lanes(make_client):
+    c = make_client()
+    alloc = c.allocate_extend("r", np.arange(100))
+    assert alloc.fallback_reason is None
+    owners = alloc.page_owners
+    assert (alloc.new_pages % 4 == owners).all()
+    report = c.check()
+    assert report["ok"], report
+    held = [info["held"] for info in c.lane_info()]
+    assert held == np.bincount(owners, minlength=4).tolist()
+    assert c.stats()["lane_calls"] == 4  # one batched call per lane, none per page
+
+
+def test_kv_round_trip_through_lanes(make_client):
+    c = make_client()
+    tokens = np.arange(50, 121)
+    alloc = c.allocate_extend("r", tokens)
+    k, v = kv_for(tokens, np.arange(tokens.size))
+    c.store_kv(alloc.out_cache_loc, k, v)
+    k2, v2 = c.gather_kv(alloc.out_cache_loc)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    # Decode slot, written and read alone.
+    (slot,) = c.allocate_decode(["r"], [7])
+    kd, vd = kv_for(np.array([7]), np.array([tokens.size]))
+    c.store_kv([slot], kd, vd)
+    assert torch.equal(c.gather_kv([slot])[0], kd)
+
+
+def test_cached_prefix_reads_back_after_free(make_client):
+    c = make_client()
+    tokens = np.arange(64)
+    a = c.allocate_extend("a", tokens)
+    c.store_kv(a.out_cache_loc, *kv_for(tokens, np.arange(64)))
+    c.free("a")
+    b = c.allocate_extend("b", np.concatenate([tokens, [1, 2, 3]]))
+    assert b.cached_len == 64
+    prefix_slots = (c_pages := np.asarray(b.new_pages))  # noqa: F841 - new pages only
+    cached = np.arange(64)
+    # Slots of the cached prefix are the request's first pages, expanded.
+    k, _ = kv_for(tokens, cached)
+    stats = c.stats()
+    assert stats["cached_tokens_hit"] == 64
+    pages = a.new_pages  # the same pages, now shared from the cache
+    slots = (pages.astype(np.int64)[:, None] * 4 + np.arange(4)).ravel()
+    assert torch.equal(c.gather_kv(slots)[0], k)
+
+
+def test_capacity_error_crosses_ray_intact(make_client):
+    c = make_client(num_pages_per_lane=8)  # 7 usable a lane
+    c.allocate_extend("hold", np.arange(64))  # 16 pages, 4 a lane
+    with pytest.raises(KVCapacityWaitError) as info:
+        c.allocate_extend("big", np.arange(1000, 1000 + 64))
+    err = info.value
+    assert type(err) is KVCapacityWaitError
+    assert err.required_by_owner == [4, 4, 4, 4]
+    assert err.available_by_owner == [3, 3, 3, 3]
+    assert err.deficit_by_owner == [1, 1, 1, 1]
+    assert c.check()["ok"]
+
+
+def test_backoff_succeeds_once_another_request_frees(make_client):
+    c = make_client(num_pages_per_lane=8)
+    c.allocate_extend("hold", np.arange(64))
+    timer = threading.Timer(0.4, lambda: c.free("hold", cache=False))
+    timer.start()
+    t0 = time.monotonic()
+    alloc = c.allocate_extend_with_backoff("big", np.arange(1000, 1064), deadline_s=20)
+    assert time.monotonic() - t0 >= 0.3
+    assert alloc.num_new_pages == 16
+    timer.join()
+    assert c.stats()["capacity_waits"] >= 1
+
+
+def test_backoff_reraises_at_deadline(make_client):
+    c = make_client(num_pages_per_lane=8)
+    c.allocate_extend("hold", np.arange(64))
+    t0 = time.monotonic()
+    with pytest.raises(KVCapacityWaitError):
+        c.allocate_extend_with_backoff("big", np.arange(1000, 1064), deadline_s=0.5)
+    assert 0.4 <= time.monotonic() - t0 < 5
+
+
+def test_stats_match_the_core(make_client):
+    c = make_client()
+    core = CPAllocator(4, 4, 32, max_reqs=32, max_context_len=4096)
+    steps = [
+        ("extend", "a", np.arange(40)),
+        ("extend", "b", np.arange(30)),
+        ("extend", "a", np.arange(40, 47)),
+        ("decode", ["a", "b"], [1, 2]),
+        ("free", "b", None),
+        ("extend", "c", np.arange(35)),
+        ("batch", [("d", np.arange(9)), ("e", np.arange(500, 530))], None),
+    ]
+    for kind, x, y in steps:
+        for target in (c, core):
+            if kind == "extend":
+                target.allocate_extend(x, y)
+            elif kind == "decode":
+                target.allocate_decode(x, y)
+            elif kind == "free":
+                target.free(x)
+            else:
+                target.allocate_extend_batch(x)
+    remote, local = c.stats(), core.stats()
+    for key in local:
+        assert remote[key] == local[key], key
+    assert c.check()["ok"]
+
+
+def test_repeated_call_id_allocates_nothing_twice(make_client):
+    c = make_client()
+    coord = c._coord  # a retry after a lost reply resends the same call id
+    ray = c._ray
+    tokens = np.arange(40)
+    first = ray.get(coord.allocate_extend.remote(c._epoch, ("retry", 1), "r", tokens))
+    again = ray.get(coord.allocate_extend.remote(c._epoch, ("retry", 1), "r", tokens))
+    assert again.new_pages.tolist() == first.new_pages.tolist()
+    assert c.stats()["extend_allocations"] == 1
+    # A lane apply repeated with the same (rid, seq) key changes nothing either.
+    lane = c.lanes[0]
+    key = ("extend", "r", first.seq)
+    held = ray.get(lane.heartbeat.remote())[1]
+    page = np.array([30], dtype=np.int32)
+    empty = np.empty(0, np.int32)
+    assert ray.get(lane.apply.remote(key, page, empty)) == held  # remembered answer
+    assert ray.get(lane.heartbeat.remote())[1] == held
+    assert c.check()["ok"]
+
+
+def test_lanes_get_distinct_logical_gpus(make_client):
+    c = make_client(num_gpus_per_lane=1)
+    infos = c.lane_info()
+    gpus = [tuple(i["gpu_ids"]) for i in infos]
+    assert len(set(gpus)) == 4 and all(len(g) == 1 for g in gpus)
+    assert len({i["node_id"] for i in infos}) == 1  # STRICT_PACK
+
+
+def test_fractional_gpus_pack_lanes(make_client):
+    c = make_client(num_gpus_per_lane=0.25)
+    gpus = {g for i in c.lane_info() for g in i["gpu_ids"]}
+    assert len(gpus) <= 2  # four quarter-GPU lanes share one or two logical GPUs
+
+
+def test_async_twins(make_client):
+    c = make_client()
+
+    async def go():
+        a = await c.allocate_extend_async("x", np.arange(20))
+        slots = await c.allocate_decode_async(["x"], [3])
+        freed = await c.free_async("x", cache=False)
+        return a, slots, freed, await c.stats_async()
+
+    a, slots, freed, stats = asyncio.run(go())
+    assert a.extend_len == 20 and slots.shape == (1,) and freed == 6
+    assert stats["used"] == [0, 0, 0, 0]
+
+
+def test_attach_to_named_coordinator(make_client):
+    c = make_client(name="shared-coord")
+    c.allocate_extend("r", np.arange(10))
+    other = cpkv.connect(
+        name="shared-coord",
+        cp_size=4,
+        page_size=4,
+        num_pages_per_lane=32,
+        max_reqs=32,
+        max_context_len=4096,
+        num_heads=2,
+        head_dim=8,
+        dtype="float32",
+    )
+    assert other.stats()["num_requests"] == 1
+    assert other.lanes == c.lanes
+    with pytest.raises(InvalidRequestError, match="exists"):
+        cpkv.connect(name="shared-coord", cp_size=2, page_size=4, num_pages_per_lane=32)
