@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 logger = logging.getLogger("cpkv")
 
@@ -19,6 +20,19 @@ def local_gpu_count() -> int:
         return 0
 
 
+def keep_ray_on_loopback() -> None:
+    """Make a Ray started from this process bind 127.0.0.1 only (unless told otherwise).
+
+    NOTE: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when ``ray`` is imported;
+    its child processes read the environment, and a driver that imported Ray
+    already gets the same value set on Ray's constant.
+    """
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def ensure_ray(
     address: str | None, *, num_cpus: float | None = None, num_gpus: float | None = None
 ) -> bool:
@@ -27,6 +41,8 @@ def ensure_ray(
     ``address=None`` starts a local Ray bound to 127.0.0.1 (logical GPUs when the
     machine has none); ``"auto"`` or ``"ray://host:port"`` attaches to a cluster.
     """
+    if address is None:
+        keep_ray_on_loopback()
     import ray
 
     if ray.is_initialized():
@@ -34,9 +50,8 @@ def ensure_ray(
     if address is not None:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
         return False
-    # NOTE: must be set before Ray starts, or it binds the machine's outward address.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(
+        address="local",  # a new Ray of our own, never one found via RAY_ADDRESS or /tmp/ray
         include_dashboard=False,
         num_cpus=num_cpus,
         num_gpus=num_gpus,

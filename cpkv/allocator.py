@@ -87,6 +87,8 @@ class ExtendAllocation:
         lane_token_ranges: per lane, ``(start, end)`` ranges of extend tokens it
             computes (owner plan only).
         fallback_reason: why no owner plan was used, ``None`` when it was.
+        cached_pages: ``int32`` pages of the ``cached_len`` prefix matched now
+            (shared with other requests; already hold their K/V).
     """
 
     rid: Hashable
@@ -103,6 +105,12 @@ class ExtendAllocation:
     page_owners: np.ndarray | None
     lane_token_ranges: tuple[tuple[tuple[int, int], ...], ...] | None
     fallback_reason: str | None
+    cached_pages: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+
+    @property
+    def cached_slots(self) -> np.ndarray:
+        """``int64 [cached_len]`` slots of the cached prefix matched by this call."""
+        return slots_from_pages(-1, 0, self.cached_pages, self.page_size, self.cached_len)
 
     @property
     def out_cache_loc(self) -> np.ndarray:
@@ -389,6 +397,7 @@ class CPAllocator:
             page_owners=None if plan is None else plan.page_owners,
             lane_token_ranges=None if plan is None else plan.lane_token_ranges,
             fallback_reason=reason,
+            cached_pages=match.pages if match is not None else _EMPTY_I32,
         )
 
     def allocate_extend_batch(
@@ -486,6 +495,7 @@ class CPAllocator:
                     page_owners=None,
                     lane_token_ranges=None,
                     fallback_reason="multi_batch",
+                    cached_pages=match.pages if match is not None else _EMPTY_I32,
                 )
             )
         self._count_fallback("multi_batch", sum(p[5] for p in plans))
@@ -622,10 +632,12 @@ class CPAllocator:
         out = []
         for r in range(self.cp_size):
             taken, released = self._moves[r]
-            out.append((
-                np.concatenate(taken) if taken else _EMPTY_I32,
-                np.concatenate(released) if released else _EMPTY_I32,
-            ))
+            out.append(
+                (
+                    np.concatenate(taken) if taken else _EMPTY_I32,
+                    np.concatenate(released) if released else _EMPTY_I32,
+                )
+            )
             self._moves[r] = ([], [])
         return out
 

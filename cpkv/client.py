@@ -83,8 +83,6 @@ def connect(
         InvalidRequestError: bad sizes, or an existing coordinator of another shape.
         TimeoutError: the lanes could not be placed in time.
     """
-    import ray
-
     config = CPConfig(cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len)
     kv = KVShape(num_layers, num_heads, head_dim, dtype)
     started = ensure_ray(
@@ -92,6 +90,8 @@ def connect(
         num_cpus=max(4, cp_size + 2) if address is None else None,
         num_gpus=(local_gpu_count() or cp_size) if address is None else None,
     )
+    import ray
+
     if num_gpus_per_lane is None:
         gpus = ray.cluster_resources().get("GPU", 0)
         num_gpus_per_lane = 1.0 if gpus >= cp_size else (gpus / cp_size if gpus else 0.0)

@@ -22,6 +22,7 @@ def ray_session():
         yield ray
         return
     ray.init(
+        address="local",  # our own Ray, even when another runs on this machine
         include_dashboard=False,
         num_cpus=16,
         num_gpus=LOGICAL_GPUS,

@@ -81,21 +81,12 @@ class CoordinatorActor:
         self._config = config
         self._kv = kv
         self._lanes = list(lanes)
-        self._core = CPAllocator.from_config(config, record_page_moves=True)
         self._lock = threading.RLock()
         self._epoch = uuid.uuid4().hex
-        self._op = 0
-        self._answers: OrderedDict[Hashable, object] = OrderedDict()
-        self._pending: list[tuple[int, ray.ObjectRef]] = []
         self._lane_restart_timeout_s = lane_restart_timeout_s
-        self._mirror_mismatches = 0
-        self._lane_losses: list[tuple[int, list]] = []
-        self._lane_calls = 0
         self._metrics = _Metrics()
-        # A (re)started coordinator knows no pages: make the lanes agree.
-        self._incarnations = ray.get(
-            [lane.reset.remote() for lane in self._lanes], timeout=lane_restart_timeout_s
-        )
+        self._pending: list[tuple[int, ray.ObjectRef]] = []
+        self.reset()  # a (re)started coordinator knows no pages: make the lanes agree
         self._stop = threading.Event()
         if heartbeat_s > 0:
             threading.Thread(
@@ -151,6 +142,7 @@ class CoordinatorActor:
             out["mirror_mismatches"] = self._mirror_mismatches
             out["lane_losses"] = [[lane, len(rids)] for lane, rids in self._lane_losses]
             out["lane_calls"] = self._lane_calls
+            out["lane_calls_by_op"] = dict(self._lane_calls_by_op)
             return out
 
     def check(self) -> dict:
@@ -192,6 +184,7 @@ class CoordinatorActor:
             self._mirror_mismatches = 0
             self._lane_losses: list[tuple[int, list]] = []
             self._lane_calls = 0
+            self._lane_calls_by_op: dict[str, int] = {}
             self._incarnations = ray.get(
                 [lane.reset.remote() for lane in self._lanes], timeout=self._lane_restart_timeout_s
             )
@@ -234,6 +227,7 @@ class CoordinatorActor:
                 ref = self._lanes[r].apply.remote(key, taken, released)
                 self._pending.append((r, ref))
                 self._lane_calls += 1
+                self._lane_calls_by_op[key[0]] = self._lane_calls_by_op.get(key[0], 0) + 1
         if len(self._pending) > _MAX_PENDING_LANE_CALLS:
             self._poll_pending(block_oldest=True)
 

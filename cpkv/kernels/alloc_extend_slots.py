@@ -34,7 +34,7 @@ if HAS_TRITON:
         prefix_lens_ptr,  # [bs]
         seq_lens_ptr,  # [bs]
         last_loc_ptr,  # [bs] slot of the last prefix token, -1 for none
-        cum_ptr,  # [2, bs] int64 inclusive cumsums: new tokens (row 0), new pages (row 1)
+        cum_ptr,  # [4, bs] int64 inclusive cumsums of prefix_lens, seq_lens and their page counts
         cum_row_stride,
         new_pages_ptr,  # [sum(new pages)] global page ids, requests in batch order
         out_ptr,  # [sum(new tokens)] int64
@@ -51,8 +51,12 @@ if HAS_TRITON:
         prefix_pages = (prefix_len + page_size - 1) // page_size  # pages the prefix touches
         n_pages = (seq_len + page_size - 1) // page_size - prefix_pages
         # Exclusive starts = inclusive cumsum - own count: O(1) per program.
-        out_start = tl.load(cum_ptr + req) - ext_len
-        page_start = tl.load(cum_ptr + cum_row_stride + req) - n_pages
+        cum_tokens = tl.load(cum_ptr + cum_row_stride + req) - tl.load(cum_ptr + req)
+        cum_pages = tl.load(cum_ptr + 3 * cum_row_stride + req) - tl.load(
+            cum_ptr + 2 * cum_row_stride + req
+        )
+        out_start = cum_tokens - ext_len
+        page_start = cum_pages - n_pages
         last_loc = tl.load(last_loc_ptr + req).to(tl.int64)
 
         mask = j < ext_len
@@ -134,14 +138,13 @@ def alloc_extend_slots(
             extend_num_tokens=extend_num_tokens,
         )
 
-    ext_lens = seq_lens.to(torch.int64) - prefix_lens
-    page_counts = _cdiv_tensor(seq_lens, page_size) - _cdiv_tensor(prefix_lens, page_size)
-    # One inclusive cumsum of both count rows, computed once; programs derive exclusive starts.
-    cum = torch.cumsum(torch.stack((ext_lens, page_counts)), dim=1)
+    # One inclusive cumsum of the lengths and their page counts (ceil(len / page_size)), computed
+    # once; programs derive their exclusive starts. 4 small launches in all.
+    lens = torch.stack((prefix_lens, seq_lens)).to(torch.int64)
+    pages = torch.div(lens + (page_size - 1), page_size, rounding_mode="floor")
+    cum = torch.cumsum(torch.cat((lens, pages)), dim=1)
     if extend_num_tokens is None or max_extend_len is None:
-        extend_num_tokens, max_extend_len = _read_sizes(
-            prefix_lens, seq_lens, ext_lens, cum, new_pages, extend_num_tokens
-        )
+        extend_num_tokens, max_extend_len = _read_sizes(lens, cum, new_pages, extend_num_tokens)
     out = torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
     if extend_num_tokens == 0 or max_extend_len == 0:
         return out
@@ -165,27 +168,17 @@ def alloc_extend_slots(
     return out
 
 
-def _cdiv_tensor(x: torch.Tensor, d: int) -> torch.Tensor:
-    """Elementwise ceil(x / d) in int64 for non-negative ``x``."""
-    return torch.div(x.to(torch.int64) + (d - 1), d, rounding_mode="floor")
-
-
 def _read_sizes(
-    prefix_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    ext_lens: torch.Tensor,
-    cum: torch.Tensor,
-    new_pages: torch.Tensor,
-    extend_num_tokens: int | None,
+    lens: torch.Tensor, cum: torch.Tensor, new_pages: torch.Tensor, extend_num_tokens: int | None
 ) -> tuple[int, int]:
     """Read the total and max extend length from the device (one sync); check the counts."""
-    min_ext, max_ext, total_tokens, total_pages = torch.cat(
+    ext_lens = lens[1] - lens[0]
+    min_ext, max_ext, *totals = torch.cat(
         (torch.stack((ext_lens.min(), ext_lens.max())), cum[:, -1])
     ).tolist()
+    total_tokens, total_pages = totals[1] - totals[0], totals[3] - totals[2]
     if min_ext < 0:
-        raise ValueError(
-            f"{_NAME}: seq_lens {seq_lens.tolist()} < prefix_lens {prefix_lens.tolist()}"
-        )
+        raise ValueError(f"{_NAME}: seq_lens {lens[1].tolist()} < prefix_lens {lens[0].tolist()}")
     if new_pages.numel() != total_pages:
         raise ValueError(
             f"{_NAME}: new_pages has {new_pages.numel()} elements but new page counts sum to "

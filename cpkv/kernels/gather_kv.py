@@ -23,7 +23,7 @@ _NAME = "gather_kv"
 
 # Same shape of work as store_kv (one row read, one row written per token and tensor), so the
 # same starting points: 4096 elements per tensor per program, rows up to 1024 wide, 4 warps.
-TILE_ELEMS = 4096
+TILE_ELEMS = 2048
 MAX_BLOCK_E = 1024
 NUM_WARPS = 4
 

@@ -25,7 +25,7 @@ _NAME = "store_kv"
 # Elements of one tensor (K or V) per program: 4096 bf16 = 8 KiB of K plus 8 KiB of V in flight,
 # 4 x 16-byte vectors per thread per tensor at 4 warps; enough to cover HBM latency with the
 # several programs an SM holds, small enough to keep a 128k-token grid many waves deep.
-TILE_ELEMS = 4096
+TILE_ELEMS = 2048
 # Widest row chunk one program copies; a full H*D row up to this (1024 = 8 heads x 128 dim).
 MAX_BLOCK_E = 1024
 # Copies need few registers; 4 warps per program leaves room for many programs per SM.

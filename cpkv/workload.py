@@ -1,0 +1,44 @@
+"""Synthetic prefill workloads shared by the demo, the benchmarks and the load tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["kv_for_tokens", "shared_prefix_prompts"]
+
+
+def shared_prefix_prompts(
+    num_prompts: int,
+    *,
+    num_prefixes: int = 3,
+    prefix_len: int = 256,
+    suffix_lens: tuple[int, int] = (200, 900),
+    vocab: int = 1000,
+    seed: int = 0,
+) -> list[np.ndarray]:
+    """Prompts that start with one of a few shared prefixes (int64 token ids)."""
+    rng = np.random.default_rng(seed)
+    prefixes = [
+        rng.integers(0, vocab, size=prefix_len, dtype=np.int64) for _ in range(num_prefixes)
+    ]
+    out = []
+    for i in range(num_prompts):
+        suffix = rng.integers(0, vocab, size=int(rng.integers(*suffix_lens)), dtype=np.int64)
+        out.append(np.concatenate([prefixes[i % num_prefixes], suffix]))
+    return out
+
+
+def kv_for_tokens(
+    tokens: np.ndarray, positions: np.ndarray, num_heads: int, head_dim: int, dtype: str = "float32"
+):
+    """Deterministic K/V ``[T, heads, head_dim]`` of (token, position).
+
+    The same token at the same position always gets the same K/V, so a prefix
+    served from the cache must read back equal to what a fresh prefill writes.
+    """
+    import torch
+
+    base = torch.as_tensor((tokens % 4096) * 8 + (positions % 8), dtype=torch.float32)
+    grid = torch.arange(num_heads * head_dim, dtype=torch.float32).reshape(1, num_heads, head_dim)
+    k = (base[:, None, None] * 0.001 + grid * 0.01).to(getattr(torch, dtype))
+    return k, -k
