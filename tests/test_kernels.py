@@ -168,6 +168,23 @@ def test_write_req_to_token_launches_many_programs_per_request(monkeypatch):
     assert torch.equal(got.cpu(), _wrt_loop(table, rows, pre_t, seq_t, out, None))
 
 
+def test_requests_beyond_grid_limit_launch_in_chunks(monkeypatch):
+    # CUDA caps grid axis 1 at 65535 requests; shrink the cap to see the chunked launches.
+    monkeypatch.setattr(_common, "MAX_GRID_Y", 3)
+    pre, seq = random_lens(8, 40, seed=14)
+    table, rows, pre_t, seq_t, out, plocs = _wrt_inputs(pre, seq, 14, torch.int64)
+    recorder = _GridRecorder(wrt_mod._write_req_to_token_kernel)
+    monkeypatch.setattr(wrt_mod, "_write_req_to_token_kernel", recorder)
+    got = dev(table)
+    K.write_req_to_token(got, dev(rows), dev(pre_t), dev(seq_t), dev(out), dev(plocs))
+    assert [grid[1] for grid in recorder.grids] == [3, 3, 2]
+    assert torch.equal(got.cpu(), _wrt_loop(table, rows, pre_t, seq_t, out, plocs))
+
+    last_loc, new_pages = _alloc_inputs(pre, seq, 5, seed=15)
+    slots = K.alloc_extend_slots(dev(pre_t), dev(seq_t), dev(last_loc), dev(new_pages), 5)
+    assert torch.equal(slots.cpu(), _alloc_loop(pre, seq, last_loc, new_pages, 5))
+
+
 # ---------------------------------------------------------------------------------------------
 # get_last_loc
 # ---------------------------------------------------------------------------------------------

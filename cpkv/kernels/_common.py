@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -101,6 +101,23 @@ def for_current_mode(kernel: Any) -> Any:
     if key not in _rebuilt_kernels:
         _rebuilt_kernels[key] = (InterpretedFunction if want_interp else JITFunction)(kernel.fn)
     return _rebuilt_kernels[key]
+
+
+def request_chunks(
+    bs: int, *per_request: torch.Tensor
+) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
+    """Split per-request tensors (requests on the last dim) into launches of <= MAX_GRID_Y.
+
+    Yields:
+        (requests in the chunk, the tensors sliced to it); the common single chunk is the
+        tensors themselves, so the hot path pays for no slicing.
+    """
+    if bs <= MAX_GRID_Y:
+        yield bs, per_request
+        return
+    for r0 in range(0, bs, MAX_GRID_Y):
+        r1 = min(bs, r0 + MAX_GRID_Y)
+        yield r1 - r0, tuple(t[..., r0:r1] for t in per_request)
 
 
 def next_power_of_2(n: int) -> int:

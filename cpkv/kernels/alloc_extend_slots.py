@@ -8,13 +8,13 @@ from cpkv.kernels import naive
 from cpkv.kernels._common import (
     HAS_TRITON,
     INT_DTYPES,
-    MAX_GRID_Y,
     cdiv,
     check_hint,
     check_same_device,
     check_same_len,
     check_tensor,
     for_current_mode,
+    request_chunks,
     tl,
     triton,
     use_triton,
@@ -151,13 +151,14 @@ def alloc_extend_slots(
 
     kernel = for_current_mode(_alloc_extend_slots_kernel)
     n_blocks = cdiv(max_extend_len, BLOCK)
-    for r0 in range(0, bs, MAX_GRID_Y):
-        r1 = min(bs, r0 + MAX_GRID_Y)
-        kernel[(n_blocks, r1 - r0)](
-            prefix_lens[r0:r1],
-            seq_lens[r0:r1],
-            last_loc[r0:r1],
-            cum[:, r0:r1],
+    for n_req, (pre, seq, last, cum_part) in request_chunks(
+        bs, prefix_lens, seq_lens, last_loc, cum
+    ):
+        kernel[(n_blocks, n_req)](
+            pre,
+            seq,
+            last,
+            cum_part,
             cum.stride(0),
             new_pages,
             out,

@@ -22,7 +22,8 @@ from cpkv.kernels.store_kv import kv_tiles
 _NAME = "gather_kv"
 
 # Same shape of work as store_kv (one row read, one row written per token and tensor), so the
-# same starting points: 4096 elements per tensor per program, rows up to 1024 wide, 4 warps.
+# same settings: H200, triton 3.6, 128k tok x 8 x 128 bf16: 2048 to 16384 elements per tensor
+# per program and 4 or 8 warps all within ~1.5% (260-265 us).
 TILE_ELEMS = 2048
 MAX_BLOCK_E = 1024
 NUM_WARPS = 4
