@@ -143,6 +143,7 @@ class CoordinatorActor:
             out["lane_losses"] = [[lane, len(rids)] for lane, rids in self._lane_losses]
             out["lane_calls"] = self._lane_calls
             out["lane_calls_by_op"] = dict(self._lane_calls_by_op)
+            out["dead_lanes"] = sorted(self._dead_lanes)
             return out
 
     def check(self) -> dict:
@@ -185,6 +186,7 @@ class CoordinatorActor:
             self._lane_losses: list[tuple[int, list]] = []
             self._lane_calls = 0
             self._lane_calls_by_op: dict[str, int] = {}
+            self._dead_lanes: set[int] = set()
             self._incarnations = ray.get(
                 [lane.reset.remote() for lane in self._lanes], timeout=self._lane_restart_timeout_s
             )
@@ -279,13 +281,32 @@ class CoordinatorActor:
         self._pending = [(r, ref) for r, ref in self._pending if r != lane]
         self._lane_losses.append((lane, lost))
         logger.warning("lane %d lost (%s): %d requests failed: %s", lane, why, len(lost), lost)
-        try:
-            self._incarnations[lane] = ray.get(
-                self._lanes[lane].reset.remote(), timeout=self._lane_restart_timeout_s
-            )
-        except Exception as e:
-            logger.error("lane %d did not come back: %s", lane, e)
+        self._bring_back(lane)
         return lost
+
+    def _bring_back(self, lane: int) -> None:
+        """Reset ``lane`` to an empty shard, retrying while Ray restarts it.
+
+        Calls to a restarting actor wait for it; a few ActorDiedError in a row
+        mean it is gone for good (restarts exhausted or killed without restart).
+        """
+        deadline = time.monotonic() + self._lane_restart_timeout_s
+        died = 0
+        while True:
+            try:
+                self._incarnations[lane] = ray.get(
+                    self._lanes[lane].reset.remote(),
+                    timeout=max(0.1, deadline - time.monotonic()),
+                )
+                self._dead_lanes.discard(lane)
+                return
+            except Exception as e:
+                died += isinstance(e, ray.exceptions.ActorDiedError)
+                if died >= 5 or time.monotonic() >= deadline:
+                    self._dead_lanes.add(lane)
+                    logger.error("lane %d did not come back: %s", lane, type(e).__name__)
+                    return
+                time.sleep(0.1)
 
     def _heartbeat_loop(self, period_s: float) -> None:
         while not self._stop.wait(period_s):

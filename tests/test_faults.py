@@ -1,0 +1,125 @@
+"""Faults on the shared local Ray: lanes and the coordinator killed, hung actors timed out."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from cpkv import CoordinatorUnavailableError, LaneUnavailableError, RequestTimeoutError
+from cpkv.client import CPKVClient
+
+pytestmark = pytest.mark.ray
+
+
+def wait_for(pred, timeout=30.0, period=0.1):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(period)
+    raise AssertionError("condition not met in time")
+
+
+def test_killed_lane_fails_only_its_requests_and_comes_back(make_client):
+    c = make_client(fresh=True)
+    everywhere = c.allocate_extend("plan", np.arange(64))  # owner plan: pages on all 4 lanes
+    assert set((everywhere.new_pages % 4).tolist()) == {0, 1, 2, 3}
+    # Single-page requests land on the lane with most free pages, one per lane.
+    singles = {}
+    for i in range(4):
+        alloc = c.allocate_extend(f"one{i}", [1000 + i])
+        singles[int(alloc.new_pages[0]) % 4] = f"one{i}"
+    assert sorted(singles) == [0, 1, 2, 3]
+    before = c.stats()
+    ray.kill(c.lanes[2], no_restart=False)  # Ray restarts it with an empty shard
+    wait_for(lambda: c.stats()["lane_losses"])
+    stats = c.stats()
+    assert stats["lane_losses"] == [[2, 2]]
+    # The lost requests answer LaneUnavailableError naming the lane and themselves.
+    for rid in ("plan", singles[2]):
+        with pytest.raises(LaneUnavailableError) as info:
+            c.allocate_decode([rid])
+        assert info.value.lane == 2 and info.value.rids == [rid]
+    # The others go on.
+    others = [singles[r] for r in (0, 1, 3)]
+    c.allocate_decode(others, [5, 6, 7])
+    # Their pages on the other lanes were freed: 16 plan pages, 4 a lane.
+    assert stats["free"][0] == before["free"][0] + 4
+    assert stats["free"][2] == 31  # the lane is back, empty
+    # The lane is used again, and agrees with the mirror.
+    again = c.allocate_extend("again", np.arange(5000, 5064))
+    assert (again.new_pages % 4 == 2).sum() == 4
+    report = c.check()
+    assert report["ok"], report
+    for rid in ("plan", singles[2]):
+        assert c.free(rid) == 0  # acknowledges the loss
+    for rid in [*others, "again"]:
+        c.free(rid, cache=False)
+    end = c.stats()
+    assert end["used"] == [0, 0, 0, 0] and end["free"] == [31, 31, 31, 31]
+    assert c.check()["ok"]
+
+
+def test_store_to_a_dead_lane_raises_lane_unavailable(make_client):
+    import torch
+
+    c = make_client(fresh=True)
+    alloc = c.allocate_extend("r", np.arange(64))
+    ray.kill(c.lanes[1], no_restart=True)  # gone for good: calls to it fail at once
+    k = torch.zeros(64, 2, 8)
+    with pytest.raises(LaneUnavailableError) as info:
+        c.store_kv(alloc.out_cache_loc, k, k)
+    assert info.value.lane == 1 and info.value.rids == ["r"]
+    assert "r" not in c.live_rids
+
+
+def test_killed_coordinator_restarts_and_reports_requests_lost(make_client):
+    c = make_client(fresh=True)
+    c.allocate_extend("x", np.arange(40))
+    c.allocate_extend("y", np.arange(100, 140))
+    ray.kill(c._coord, no_restart=False)
+    with pytest.raises(CoordinatorUnavailableError) as info:
+        c.allocate_decode(["x"])
+    assert sorted(info.value.rids) == ["x", "y"]
+
+    def works():
+        try:
+            return c.allocate_extend("z", np.arange(10))
+        except CoordinatorUnavailableError:
+            return None
+
+    wait_for(works)
+    stats = c.stats()
+    assert stats["num_requests"] == 1 and sum(stats["used"]) == 3
+    assert c.check()["ok"], "the restarted coordinator must reset the lanes"
+
+
+@ray.remote
+class _HungCoordinator:
+    def hello(self):
+        from cpkv import CPConfig, KVShape
+
+        return {"epoch": "e", "config": CPConfig(2, 4, 8), "kv": KVShape(), "lanes": []}
+
+    def allocate_extend(self, *args):
+        time.sleep(30)
+
+    def stats(self):
+        time.sleep(30)
+
+
+def test_hung_coordinator_times_out_with_a_clear_error(ray_session):
+    actor = _HungCoordinator.options(max_concurrency=4).remote()
+    ray.get(actor.hello.remote())  # started: only the hung calls may time out
+    client = CPKVClient(actor, timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(RequestTimeoutError, match=r"allocate_extend.*0\.5s"):
+        client.allocate_extend("r", [1, 2, 3])
+    with pytest.raises(RequestTimeoutError, match="stats"):
+        client.stats()
+    assert time.monotonic() - t0 < 5
+    ray.kill(actor)
