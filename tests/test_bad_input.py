@@ -1,0 +1,138 @@
+"""Bad input through the public client: a ValueError naming the value, state unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import cpkv
+from cpkv import InvalidRequestError
+
+pytestmark = pytest.mark.ray
+
+
+class CallRecorder:
+    """Stands in for the coordinator handle and records every remote call."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        method = getattr(self._real, name)
+        recorder = self
+
+        class _Method:
+            def remote(self, *args, **kwargs):
+                recorder.calls.append(name)
+                return method.remote(*args, **kwargs)
+
+        return _Method()
+
+
+K = torch.zeros(3, 2, 8)
+LOCAL = [  # rejected on the caller's side, before any actor call
+    ("negative token id", lambda c: c.allocate_extend("n", [1, -2]), "-2"),
+    ("float tokens", lambda c: c.allocate_extend("n", [1.5]), "float"),
+    ("empty tokens", lambda c: c.allocate_extend("n", []), "empty"),
+    ("past max_context_len", lambda c: c.allocate_extend("n", np.arange(4097)), "4097"),
+    ("2-d tokens", lambda c: c.allocate_extend("n", [[1, 2]]), "(1, 2)"),
+    ("unhashable rid", lambda c: c.allocate_extend(["x"], [1]), "['x']"),
+    ("empty decode", lambda c: c.allocate_decode([]), "no rids"),
+    ("decode token count", lambda c: c.allocate_decode(["live"], [1, 2]), "2 token ids"),
+    ("negative committed_len", lambda c: c.free("live", committed_len=-1), "-1"),
+    ("float committed_len", lambda c: c.free("live", committed_len=1.5), "1.5"),
+    ("empty batch", lambda c: c.allocate_extend_batch([]), "empty"),
+    ("kv wrong dtype", lambda c: c.store_kv([40, 41, 42], K.half(), K.half()), "float16"),
+    ("kv wrong shape", lambda c: c.store_kv([40, 41, 42], torch.zeros(3, 2, 4), K), "(3, 2, 4)"),
+    ("k/v length vs slots", lambda c: c.store_kv([40, 41], K, K), "(3, 2, 8)"),
+    ("kv not a tensor", lambda c: c.store_kv([40, 41, 42], np.zeros((3, 2, 8)), K), "ndarray"),
+    ("slot out of range", lambda c: c.store_kv([40, 41, 10**9], K, K), "1000000000"),
+    ("negative slot", lambda c: c.gather_kv([-5]), "-5"),
+    ("layer out of range", lambda c: c.store_kv([40, 41, 42], K, K, layer=3), "layer=3"),
+    ("float slots", lambda c: c.gather_kv([1.0, 2.0]), "float"),
+]
+REMOTE = [  # need the coordinator's state: one call, answered with the error
+    ("unknown rid free", lambda c: c.free("ghost"), "ghost"),
+    ("unknown rid decode", lambda c: c.allocate_decode(["ghost"]), "ghost"),
+    ("committed_len too long", lambda c: c.free("live", committed_len=999), "999"),
+    ("repeated batch rid", lambda c: c.allocate_extend_batch([("x", [1]), ("x", [2])]), "x"),
+]
+
+
+@pytest.fixture
+def client(make_client):
+    c = make_client()
+    c.allocate_extend("live", np.arange(20))
+    return c
+
+
+@pytest.mark.parametrize(("fn", "needle"), [x[1:] for x in LOCAL], ids=[x[0] for x in LOCAL])
+def test_rejected_before_any_actor_call(client, fn, needle):
+    before = client.stats()
+    real = client._coord
+    client._coord = recorder = CallRecorder(real)
+    try:
+        with pytest.raises(ValueError) as info:
+            fn(client)
+    finally:
+        client._coord = real
+    assert isinstance(info.value, InvalidRequestError)
+    assert needle in str(info.value), str(info.value)
+    assert recorder.calls == []
+    assert client.stats() == before
+
+
+@pytest.mark.parametrize(("fn", "needle"), [x[1:] for x in REMOTE], ids=[x[0] for x in REMOTE])
+def test_rejected_by_the_coordinator_state_unchanged(client, fn, needle):
+    before = client.stats()
+    with pytest.raises(InvalidRequestError) as info:
+        fn(client)
+    assert needle in str(info.value)
+    after = client.stats()
+    assert after == before
+    assert client.check()["ok"]
+
+
+def test_double_free_and_decode_after_free(client):
+    client.free("live")
+    before = client.stats()
+    with pytest.raises(InvalidRequestError, match="live"):
+        client.free("live")
+    with pytest.raises(InvalidRequestError, match="live"):
+        client.allocate_decode(["live"])
+    assert client.stats() == before
+
+
+CONNECT = [
+    ("cp_size 0", dict(cp_size=0), "cp_size=0"),
+    ("page_size 0", dict(page_size=0), "page_size=0"),
+    ("num_pages too small", dict(num_pages_per_lane=1), "num_pages_per_lane=1"),
+    ("bad dtype", dict(dtype="int8"), "int8"),
+    ("float cp_size", dict(cp_size=2.5), "2.5"),
+    ("negative heads", dict(num_heads=-1), "num_heads=-1"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [x[1:] for x in CONNECT],
+                         ids=[x[0] for x in CONNECT])
+def test_connect_rejects_bad_sizes_before_starting_anything(kwargs, needle, monkeypatch):
+    import cpkv._ray_env as env
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray was touched")
+
+    monkeypatch.setattr(env, "ensure_ray", no_ray)
+    monkeypatch.setattr("cpkv.client.ensure_ray", no_ray)
+    with pytest.raises(ValueError, match=needle):
+        cpkv.connect(**kwargs)
+
+
+def test_bad_strategy_and_mismatched_lane_count(make_client):
+    with pytest.raises(ValueError, match="BOGUS"):
+        make_client(fresh=True, strategy="BOGUS")
+    c = make_client(name="mismatch-coord")
+    with pytest.raises(ValueError, match="exists"):
+        cpkv.connect(name="mismatch-coord", cp_size=2, page_size=4, num_pages_per_lane=32)
+    assert c.stats()["cp_size"] == 4
