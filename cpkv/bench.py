@@ -77,7 +77,8 @@ def _point(cfg: BenchConfig, cp: int, context: int) -> dict:
         dtype="float32",
     )
     try:
-        nodes = sorted({i["node_id"] for i in client.lane_info()})
+        lane_nodes = [i["node_id"] for i in client.lane_info()]
+        nodes = sorted(set(lane_nodes))
         rng = np.random.default_rng(cfg.seed)
         prompts = [
             rng.integers(0, 150_000, size=context, dtype=np.int64) for _ in range(cfg.requests)
@@ -139,6 +140,7 @@ def _point(cfg: BenchConfig, cp: int, context: int) -> dict:
         "actor_calls_per_alloc": 1 + stats["lane_calls_by_op"].get("extend", 0) / max(1, allocs),
         "fallbacks": json.dumps(stats["fallbacks_by_reason"]),
         "nodes": len(nodes),
+        "lane_nodes": lane_nodes,
     }
 
 
@@ -168,7 +170,7 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
     with open(os.path.join(cfg.out_dir, "bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
     with open(os.path.join(cfg.out_dir, "bench.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     if cfg.plot:

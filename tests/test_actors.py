@@ -200,3 +200,15 @@ def test_attach_to_named_coordinator(make_client):
     assert other.lanes == c.lanes
     with pytest.raises(InvalidRequestError, match="exists"):
         cpkv.connect(name="shared-coord", cp_size=2, page_size=4, num_pages_per_lane=32)
+
+
+def test_metrics_gauges_take_the_stats(ray_session):
+    from cpkv.actors.coordinator import _Metrics
+
+    m = _Metrics()
+    assert m._pages is not None, "ray.util.metrics unavailable"
+    stats = {"free": [3, 4], "used": [1, 0], "cached": [0, 2], "capacity_waits": 2,
+             "pages_evicted": 5}
+    m.update(stats)
+    m.update({**stats, "capacity_waits": 3})
+    assert m._last == {"capacity_waits": 3, "pages_evicted": 5}
