@@ -15,10 +15,15 @@ import numpy as np
 
 from cpkv._validate import as_token_array, check_int
 from cpkv.config import CPConfig
-from cpkv.errors import InvalidRequestError, KVCapacityWaitError, LaneUnavailableError
+from cpkv.errors import (
+    InvalidRequestError,
+    KVCapacityWaitError,
+    LaneUnavailableError,
+    StaleTokenHashesError,
+)
 from cpkv.owners import build_owner_plan, in_seq_page_compute_owner_unavailable_reason
 from cpkv.page_pool import RESERVED_LOCAL_PAGE, LanePagePool
-from cpkv.prefix_cache import PrefixCache, hash_pages
+from cpkv.prefix_cache import HashedTokens, PrefixCache, hash_chunk, hash_pages
 
 __all__ = ["CPAllocator", "ExtendAllocation", "slots_from_pages", "split_slots_by_lane"]
 
@@ -26,6 +31,7 @@ logger = logging.getLogger("cpkv.allocator")
 
 _EMPTY_I32 = np.empty(0, dtype=np.int32)
 _EMPTY_U64 = np.empty(0, dtype=np.uint64)
+_EMPTY_I64 = np.empty(0, dtype=np.int64)
 
 
 def slots_from_pages(
@@ -324,17 +330,17 @@ class CPAllocator:
                 after eviction; nothing stays allocated.
             LaneUnavailableError: ``rid`` was lost with a lane.
         """
-        tokens = as_token_array(token_ids)
         self._check_not_lost(rid)
         req = self._reqs.get(rid)
+        hashed = self._chunk(rid, req, token_ids)
+        num_tokens = hashed.num_tokens
         prefix_len = 0 if req is None else req.num_tokens
-        self._check_len(rid, prefix_len, tokens.shape[0])
-        hashes = match = None
+        self._check_len(rid, prefix_len, num_tokens)
+        match = None
         if req is None:
-            hashes = hash_pages(tokens, self.page_size)
-            match = self._match_for_new(tokens, hashes)
+            match = self._match_for_new(num_tokens, hashed.hashes)
             prefix_len = match.num_pages * self.page_size
-        extend_len = tokens.shape[0] - (prefix_len if req is None else 0)
+        extend_len = num_tokens - (prefix_len if req is None else 0)
         reason = in_seq_page_compute_owner_unavailable_reason(
             extend_len, prefix_len, self.page_size, self.cp_size
         )
@@ -367,17 +373,10 @@ class CPAllocator:
             raise
         new_pages = self._take_pages(owners)
         if req is None:
-            req = _Request(rid, slot, match.node, match.pages)
-            self._reqs[rid] = req
-            req.num_tokens = prefix_len
-            req.hashes.append(hashes[: match.num_pages])
-            self._counters.cached_tokens_hit += prefix_len
-            extend_tokens = tokens[prefix_len:]
-        else:
-            extend_tokens = tokens
+            req = self._new_request(rid, slot, match, hashed)
         head_slot, head_len = self._head(req, extend_len)
         req.add_pages(new_pages)
-        self._append_tokens(req, extend_tokens, hashes)
+        self._advance(req, extend_len, hashed, skip=match.num_pages if match else 0)
         req.seq += 1
         self._counters.extend_allocations += 1
         if reason:
@@ -435,18 +434,18 @@ class CPAllocator:
         locked = []
         for rid, tok in zip(rids, tokens, strict=True):
             req = self._reqs.get(rid)
+            hashed = self._chunk(rid, req, tok)
             if req is None:
-                hashes = hash_pages(tok, self.page_size)
-                match = self._match_for_new(tok, hashes)
+                match = self._match_for_new(tok.shape[0], hashed.hashes)
                 self._cache.lock(match.node)
                 locked.append(match.node)
                 prefix_len = match.num_pages * self.page_size
-                plans.append((rid, tok, hashes, match, prefix_len, tok.shape[0] - prefix_len))
+                plans.append((rid, hashed, match, prefix_len, tok.shape[0] - prefix_len))
             else:
-                plans.append((rid, tok, None, None, req.num_tokens, tok.shape[0]))
-        counts = [self._num_new_pages(p[4], p[5]) for p in plans]
+                plans.append((rid, hashed, None, req.num_tokens, tok.shape[0]))
+        counts = [self._num_new_pages(p[3], p[4]) for p in plans]
         total = sum(counts)
-        num_new_reqs = sum(1 for p in plans if p[3] is not None)
+        num_new_reqs = sum(1 for p in plans if p[2] is not None)
         try:
             if num_new_reqs > len(self._free_slots):
                 self._raise_wait(
@@ -461,22 +460,15 @@ class CPAllocator:
             raise
         pages = self._take_pages(owners)
         out, start = [], 0
-        for (rid, tok, hashes, match, prefix_len, extend_len), n in zip(plans, counts, strict=True):
+        for (rid, hashed, match, prefix_len, extend_len), n in zip(plans, counts, strict=True):
             new_pages = pages[start : start + n]
             start += n
             req = self._reqs.get(rid)
             if req is None:
-                req = _Request(rid, self._take_slot(), match.node, match.pages)
-                self._reqs[rid] = req
-                req.num_tokens = prefix_len
-                req.hashes.append(hashes[: match.num_pages])
-                self._counters.cached_tokens_hit += prefix_len
-                extend_tokens = tok[prefix_len:]
-            else:
-                extend_tokens = tok
+                req = self._new_request(rid, self._take_slot(), match, hashed)
             head_slot, head_len = self._head(req, extend_len)
             req.add_pages(new_pages)
-            self._append_tokens(req, extend_tokens, hashes)
+            self._advance(req, extend_len, hashed, skip=match.num_pages if match else 0)
             req.seq += 1
             self._counters.extend_allocations += 1
             out.append(
@@ -498,7 +490,7 @@ class CPAllocator:
                     cached_pages=match.pages if match is not None else _EMPTY_I32,
                 )
             )
-        self._count_fallback("multi_batch", sum(p[5] for p in plans))
+        self._count_fallback("multi_batch", sum(p[4] for p in plans))
         return out
 
     def allocate_decode(
@@ -542,11 +534,10 @@ class CPAllocator:
             req.add_pages(page[None])
         slots = np.empty(len(reqs), dtype=np.int64)
         for i, req in enumerate(reqs):
-            if token_ids is None:
-                req.num_tokens += 1
-                req.tail = None
-            else:
-                self._append_tokens(req, toks[i : i + 1])
+            known = token_ids is not None and req.tail is not None
+            self._advance(
+                req, 1, hash_chunk(req.tail, toks[i : i + 1], self.page_size) if known else None
+            )
             slots[i] = req.last_slot(self.page_size)
             req.seq += 1
         self._counters.decode_allocations += 1
@@ -734,9 +725,9 @@ class CPAllocator:
                 f"> max_context_len={self.config.max_context_len}"
             )
 
-    def _match_for_new(self, tokens: np.ndarray, hashes: np.ndarray):
+    def _match_for_new(self, num_tokens: int, hashes: np.ndarray):
         # Leave at least one token to compute (a prefill must produce logits).
-        limit = (tokens.shape[0] - 1) // self.page_size
+        limit = (num_tokens - 1) // self.page_size
         return (
             self._cache.match_prefix(hashes[:limit])
             if self.enable_prefix_cache
@@ -753,29 +744,63 @@ class CPAllocator:
             return -1, 0
         return req.last_slot(self.page_size) + 1, min(self.page_size - used, extend_len)
 
-    def _append_tokens(
-        self, req: _Request, tokens: np.ndarray, prompt_hashes: np.ndarray | None = None
-    ) -> None:
-        """Advance ``req`` by ``tokens`` and hash the pages they complete.
+    def _chunk(self, rid: Hashable, req: _Request | None, token_ids) -> HashedTokens:
+        """The chunk as page hashes chained onto ``req``'s partial page.
 
-        ``prompt_hashes`` (a new request's whole prompt, already hashed) saves
-        hashing the same pages twice.
+        Raw ids are hashed here; a :class:`HashedTokens` from a client is checked
+        against what this request holds.
         """
-        req.num_tokens += tokens.shape[0]
+        prev = _EMPTY_I64 if req is None or req.tail is None else req.tail
+        if not isinstance(token_ids, HashedTokens):
+            return hash_chunk(prev, as_token_array(token_ids), self.page_size)
+        h = token_ids
+        check_int("num_tokens", h.num_tokens, minimum=1)
+        if req is not None and req.tail is None:
+            return h  # this request's tokens are unknown already: nothing to check
+        if h.prev_tail_len != prev.shape[0]:
+            raise StaleTokenHashesError(
+                f"rid={rid!r}: hashes chained on a {h.prev_tail_len}-token partial page, "
+                f"the request holds {prev.shape[0]}"
+            )
+        total = h.prev_tail_len + h.num_tokens
+        if (
+            not isinstance(h.hashes, np.ndarray)
+            or h.hashes.dtype != np.uint64
+            or h.hashes.shape != (total // self.page_size,)
+            or not isinstance(h.tail, np.ndarray)
+            or h.tail.shape != (total % self.page_size,)
+        ):
+            raise InvalidRequestError(
+                f"rid={rid!r}: HashedTokens of {h.num_tokens} tokens has hashes "
+                f"{getattr(h.hashes, 'shape', None)} and tail {getattr(h.tail, 'shape', None)}; "
+                f"expected ({total // self.page_size},) uint64 and ({total % self.page_size},)"
+            )
+        return h
+
+    def _new_request(self, rid: Hashable, slot: int, match, hashed: HashedTokens) -> _Request:
+        req = _Request(rid, slot, match.node, match.pages)
+        self._reqs[rid] = req
+        req.num_tokens = match.num_pages * self.page_size
+        req.hashes.append(hashed.hashes[: match.num_pages])
+        self._counters.cached_tokens_hit += req.num_tokens
+        return req
+
+    def _advance(
+        self, req: _Request, num_tokens: int, hashed: HashedTokens | None, skip: int = 0
+    ) -> None:
+        """Advance ``req`` by ``num_tokens``; keep the hashes of the pages they complete.
+
+        ``skip`` hashes at the front were already kept (a new request's cached prefix).
+        """
+        req.num_tokens += num_tokens
         if req.tail is None:
             return
-        if prompt_hashes is not None:
-            # NOTE: a new request's matched prefix ends on a page boundary, so tail is empty.
-            assert req.tail.size == 0, req.tail.size
-            done = req.num_hashed_pages
-            req.hashes.append(prompt_hashes[done:])
-            req.tail = tokens[(prompt_hashes.shape[0] - done) * self.page_size :].copy()
+        if hashed is None:
+            req.tail = None  # an unknown token: no later page can be cached
             return
-        seq = np.concatenate([req.tail, tokens]) if req.tail.size else tokens
-        full = seq.shape[0] // self.page_size
-        if full:
-            req.hashes.append(hash_pages(seq, self.page_size))
-        req.tail = seq[full * self.page_size :].copy()
+        if hashed.hashes.shape[0] > skip:
+            req.hashes.append(hashed.hashes[skip:])
+        req.tail = hashed.tail
 
     def _take_slot(self) -> int:
         if not self._free_slots:

@@ -30,13 +30,16 @@ from cpkv.errors import (
     KVCapacityWaitError,
     LaneUnavailableError,
     RequestTimeoutError,
+    StaleTokenHashesError,
 )
+from cpkv.prefix_cache import HashedTokens, hash_chunk
 
 __all__ = ["CPKVClient", "connect"]
 
 logger = logging.getLogger("cpkv.client")
 
 DEFAULT_NAME = "cpkv-coordinator"
+_EMPTY_TAIL = np.empty(0, dtype=np.int64)
 
 
 def connect(
@@ -153,6 +156,10 @@ class CPKVClient:
         self._calls = itertools.count()
         self._client_id = uuid.uuid4().hex[:12]
         self._rids: set[Hashable] = set()
+        # Each live request's partial last page, as this client sent it: chunks then
+        # travel as page hashes (8 bytes a page) instead of ids (8 bytes a token).
+        # None: unknown (decode without ids, or another client extended it).
+        self._tails: dict[Hashable, np.ndarray | None] = {}
         hello = self._get(self._coord.hello.remote(), "hello")
         self._epoch: str = hello["epoch"]
         self.config: CPConfig = hello["config"]
@@ -196,14 +203,19 @@ class CPKVClient:
             self._epoch = self._ray.get(self._coord.epoch.remote(), timeout=self.timeout_s)
             raise CoordinatorUnavailableError(out.detail, self._take_lost())
         if isinstance(out, LaneUnavailableError):
-            self._rids.difference_update(out.rids)
+            self._forget(out.rids)
         if isinstance(out, BaseException):
             raise out
         return out
 
+    def _forget(self, rids) -> None:
+        for rid in rids:
+            self._rids.discard(rid)
+            self._tails.pop(rid, None)
+
     def _lose_all(self) -> None:
         self._lost = sorted(self._rids, key=repr)
-        self._rids.clear()
+        self._forget(self._lost)
 
     def _take_lost(self) -> list:
         lost, self._lost = getattr(self, "_lost", []), []
@@ -226,6 +238,20 @@ class CPKVClient:
             raise InvalidRequestError(f"rid={rid!r} is not hashable") from None
 
     # ------------------------------------------------------------ allocation
+    def _chunk(self, rid: Hashable, tokens: np.ndarray):
+        """Page hashes of ``tokens`` chained on ``rid``'s partial page, or the ids."""
+        if rid in self._rids:
+            prev = self._tails.get(rid)
+            if prev is None:
+                return tokens
+        else:
+            prev = _EMPTY_TAIL
+        return hash_chunk(prev, tokens, self.config.page_size)
+
+    def _sent(self, rid: Hashable, chunk) -> None:
+        self._rids.add(rid)
+        self._tails[rid] = chunk.tail if isinstance(chunk, HashedTokens) else None
+
     def allocate_extend(self, rid: Hashable, token_ids) -> ExtendAllocation:
         """Allocate one request's prefill step (see :meth:`cpkv.CPAllocator.allocate_extend`).
 
@@ -235,18 +261,38 @@ class CPKVClient:
         """
         self._check_rid(rid)
         tokens = self._check_tokens(rid, token_ids)
-        ref = self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, tokens)
-        out = self._get(ref, "allocate_extend")
-        self._rids.add(rid)
+        chunk = self._chunk(rid, tokens)
+        try:
+            out = self._get(
+                self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, chunk),
+                "allocate_extend",
+            )
+        except StaleTokenHashesError:
+            chunk = tokens  # another client extended this request: send the ids
+            out = self._get(
+                self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, chunk),
+                "allocate_extend",
+            )
+        self._sent(rid, chunk)
         return out
 
     async def allocate_extend_async(self, rid: Hashable, token_ids) -> ExtendAllocation:
         """Async twin of :meth:`allocate_extend`."""
         self._check_rid(rid)
         tokens = self._check_tokens(rid, token_ids)
-        ref = self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, tokens)
-        out = await self._aget(ref, "allocate_extend")
-        self._rids.add(rid)
+        chunk = self._chunk(rid, tokens)
+        try:
+            out = await self._aget(
+                self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, chunk),
+                "allocate_extend",
+            )
+        except StaleTokenHashesError:
+            chunk = tokens
+            out = await self._aget(
+                self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, chunk),
+                "allocate_extend",
+            )
+        self._sent(rid, chunk)
         return out
 
     def allocate_extend_with_backoff(
@@ -288,7 +334,8 @@ class CPKVClient:
             raise InvalidRequestError("allocate_extend_batch got an empty batch")
         ref = self._coord.allocate_extend_batch.remote(self._epoch, self._call_id(), checked)
         out = self._get(ref, "allocate_extend_batch")
-        self._rids.update(rid for rid, _ in checked)
+        for rid, _ in checked:  # ids were sent: the partial pages are not tracked here
+            self._sent(rid, None)
         return out
 
     def allocate_decode(self, rids: Sequence[Hashable], token_ids=None) -> np.ndarray:
@@ -302,13 +349,28 @@ class CPKVClient:
                 f"allocate_decode got {toks.shape[0]} token ids for {len(rids)} rids"
             )
         ref = self._coord.allocate_decode.remote(self._epoch, self._call_id(), rids, toks)
-        return self._get(ref, "allocate_decode")
+        out = self._get(ref, "allocate_decode")
+        self._decoded(rids, toks)
+        return out
+
+    def _decoded(self, rids: list, toks: np.ndarray | None) -> None:
+        ps = self.config.page_size
+        for i, rid in enumerate(rids):
+            tail = self._tails.get(rid)
+            if tail is None or toks is None:
+                self._tails[rid] = None
+                continue
+            tail = np.concatenate([tail, toks[i : i + 1]])
+            self._tails[rid] = tail if tail.shape[0] < ps else _EMPTY_TAIL
 
     async def allocate_decode_async(self, rids: Sequence[Hashable], token_ids=None) -> np.ndarray:
         """Async twin of :meth:`allocate_decode`."""
         toks = None if token_ids is None else as_token_array(token_ids)
-        ref = self._coord.allocate_decode.remote(self._epoch, self._call_id(), list(rids), toks)
-        return await self._aget(ref, "allocate_decode")
+        rids = list(rids)
+        ref = self._coord.allocate_decode.remote(self._epoch, self._call_id(), rids, toks)
+        out = await self._aget(ref, "allocate_decode")
+        self._decoded(rids, toks)
+        return out
 
     def free(self, rid: Hashable, cache: bool = True, committed_len: int | None = None) -> int:
         """Release a request; full pages go to the prefix cache when ``cache``."""
@@ -317,7 +379,7 @@ class CPKVClient:
             check_int("committed_len", committed_len, minimum=0)
         ref = self._coord.free.remote(self._epoch, self._call_id(), rid, bool(cache), committed_len)
         out = self._get(ref, "free")
-        self._rids.discard(rid)
+        self._forget([rid])
         return out
 
     async def free_async(
@@ -326,7 +388,7 @@ class CPKVClient:
         """Async twin of :meth:`free`."""
         ref = self._coord.free.remote(self._epoch, self._call_id(), rid, bool(cache), committed_len)
         out = await self._aget(ref, "free")
-        self._rids.discard(rid)
+        self._forget([rid])
         return out
 
     # ------------------------------------------------------------------- KV
@@ -416,7 +478,7 @@ class CPKVClient:
                     ),
                     "report_lane_failure",
                 )
-                self._rids.difference_update(lost)
+                self._forget(lost)
                 raise LaneUnavailableError(r, lost, f"{what} failed") from None
         return out
 
@@ -439,7 +501,7 @@ class CPKVClient:
     def reset(self) -> None:
         """Drop every request and cached page of the pool (all clients'); lanes emptied."""
         self._get(self._coord.reset.remote(), "reset")
-        self._rids.clear()
+        self._forget(list(self._rids))
 
     def lane_info(self) -> list[dict]:
         """Each lane's node, device, GPU ids and own page counts."""

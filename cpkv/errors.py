@@ -15,6 +15,7 @@ __all__ = [
     "KVCapacityWaitError",
     "LaneUnavailableError",
     "RequestTimeoutError",
+    "StaleTokenHashesError",
 ]
 
 
@@ -24,6 +25,11 @@ class CPKVError(Exception):
 
 class InvalidRequestError(CPKVError, ValueError):
     """Bad input: the message names the offending value; state is unchanged."""
+
+
+class StaleTokenHashesError(InvalidRequestError):
+    """Page hashes sent for a chunk were chained on another partial page than the
+    request holds (another client extended it); resend the token ids."""
 
 
 class KVCapacityWaitError(CPKVError, RuntimeError):

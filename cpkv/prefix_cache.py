@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["EvictResult", "PrefixCache", "PrefixMatch", "hash_pages"]
+__all__ = ["EvictResult", "HashedTokens", "PrefixCache", "PrefixMatch", "hash_chunk", "hash_pages"]
 
 _MULTIPLIERS: dict[int, np.ndarray] = {}
 
@@ -44,6 +44,36 @@ def hash_pages(tokens: np.ndarray, page_size: int) -> np.ndarray:
     h *= np.uint64(0x9E3779B97F4A7C15)
     h ^= h >> np.uint64(29)
     return h
+
+
+@dataclass(slots=True, frozen=True)
+class HashedTokens:
+    """A chunk of token ids as the allocator needs them: page hashes and a short tail.
+
+    A client sends this instead of the ids (8 bytes a page instead of 8 a token).
+
+    Attributes:
+        num_tokens: tokens in the chunk.
+        prev_tail_len: tokens of the request's partial last page the hashes were
+            chained onto (0 for a new request).
+        hashes: ``uint64`` hashes of the pages that ``prev tail + chunk`` completes.
+        tail: ``int64`` tokens after the last completed page (< page_size).
+    """
+
+    num_tokens: int
+    prev_tail_len: int
+    hashes: np.ndarray
+    tail: np.ndarray
+
+
+def hash_chunk(prev_tail: np.ndarray, tokens: np.ndarray, page_size: int) -> HashedTokens:
+    """Hash the pages that ``tokens`` complete after a partial page ``prev_tail``."""
+    seq = np.concatenate([prev_tail, tokens]) if prev_tail.size else tokens
+    full = seq.shape[0] // page_size
+    hashes = hash_pages(seq, page_size) if full else np.empty(0, np.uint64)
+    return HashedTokens(
+        int(tokens.shape[0]), int(prev_tail.shape[0]), hashes, seq[full * page_size :].copy()
+    )
 
 
 class _Node:

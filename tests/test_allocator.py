@@ -95,9 +95,7 @@ def test_eviction_targets_deficit_lane_and_asks_deficit_tokens():
     alloc = a.allocate_extend("z", np.arange(5000, 5000 + 48))  # 12 pages: 6 a lane
     after = a.stats()
     deficit = [6 - 3, 6 - 3]
-    assert after["evict_tokens_requested"] - before["evict_tokens_requested"] == (
-        sum(deficit) * 4
-    )
+    assert after["evict_tokens_requested"] - before["evict_tokens_requested"] == (sum(deficit) * 4)
     # The LRU leaf "x" (lanes 0,0,1,1,1,1,0,0) is trimmed from its tail only as far as
     # the deficits need: 7 pages cover 3 on each lane; "y" is untouched.
     assert after["pages_evicted"] == 7
@@ -286,8 +284,9 @@ BAD_CALLS = [
 ]
 
 
-@pytest.mark.parametrize(("fn", "needle"), [c[1:] for c in BAD_CALLS],
-                         ids=[c[0] for c in BAD_CALLS])
+@pytest.mark.parametrize(
+    ("fn", "needle"), [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS]
+)
 def test_bad_input_raises_and_leaves_state(fn, needle):
     a = make()
     a.allocate_extend("live", np.arange(20))
@@ -312,8 +311,13 @@ def test_double_free_and_decode_after_free():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(cp_size=0), dict(page_size=0), dict(num_pages_per_lane=1), dict(max_reqs=0),
-     dict(cp_size=2.0)],
+    [
+        dict(cp_size=0),
+        dict(page_size=0),
+        dict(num_pages_per_lane=1),
+        dict(max_reqs=0),
+        dict(cp_size=2.0),
+    ],
     ids=["cp0", "page0", "pages1", "reqs0", "cp-float"],
 )
 def test_bad_config(kwargs):
@@ -327,3 +331,44 @@ def test_metadata_is_small():
     a.allocate_extend("r", np.arange(4 * 255 * 16 - 16))
     per_page = a.metadata_nbytes() / (4 * 256)
     assert per_page <= 16, per_page
+
+
+def test_hashed_chunks_decide_exactly_as_token_ids():
+    from cpkv.prefix_cache import hash_chunk
+
+    raw, hashed = make(cp=2, ps=4, pages=40, reqs=8), make(cp=2, ps=4, pages=40, reqs=8)
+    tails: dict = {}
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 50, size=30)
+
+    def both_extend(rid, tokens):
+        prev = tails.get(rid, np.empty(0, np.int64))
+        chunk = hash_chunk(prev, tokens, 4)
+        a, b = raw.allocate_extend(rid, tokens), hashed.allocate_extend(rid, chunk)
+        tails[rid] = chunk.tail
+        assert a.new_pages.tolist() == b.new_pages.tolist()
+        assert a.out_cache_loc.tolist() == b.out_cache_loc.tolist()
+        assert a.cached_len == b.cached_len
+
+    for step in range(6):
+        rid = f"r{step}"
+        both_extend(rid, np.concatenate([shared, rng.integers(0, 50, size=7)]))
+        both_extend(rid, rng.integers(0, 50, size=int(rng.integers(1, 9))))
+        raw.free(rid)
+        hashed.free(rid)
+        assert raw.stats() == hashed.stats()
+    raw.check_invariants()
+    hashed.check_invariants()
+    assert raw.stats()["cached_tokens_hit"] > 0
+
+
+def test_stale_hashes_are_refused_with_state_unchanged():
+    from cpkv.errors import StaleTokenHashesError
+    from cpkv.prefix_cache import hash_chunk
+
+    a = make()
+    a.allocate_extend("r", np.arange(6))  # partial page of 2 tokens
+    before = a.stats()
+    with pytest.raises(StaleTokenHashesError, match="2"):
+        a.allocate_extend("r", hash_chunk(np.empty(0, np.int64), np.arange(4), 4))
+    assert a.stats() == before
