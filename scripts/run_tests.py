@@ -10,7 +10,6 @@ import pytest
 if __name__ == "__main__":
     # Ray must bind loopback only; set before any test imports ray.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("CPKV_GPU") else "1")
     code = pytest.main(["-q", *sys.argv[1:]])
     if code == pytest.ExitCode.NO_TESTS_COLLECTED:
         print("run_tests: no tests ran; failing", file=sys.stderr)

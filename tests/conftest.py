@@ -11,7 +11,21 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 
 import pytest
 
-LOGICAL_GPUS = 16
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+# With real GPUs the lanes pack on them (small fractions, CUDA shards); without,
+# 16 logical GPUs make GPU placement testable on CPU.
+CUDA_DEVICES = _cuda_devices()
+NUM_GPUS = CUDA_DEVICES or 16
+GPUS_PER_LANE = 0.5 if not CUDA_DEVICES else 0.05
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +39,7 @@ def ray_session():
         address="local",  # our own Ray, even when another runs on this machine
         include_dashboard=False,
         num_cpus=16,
-        num_gpus=LOGICAL_GPUS,
+        num_gpus=NUM_GPUS,
         namespace="cpkv",
         logging_level="ERROR",
         log_to_driver=False,
@@ -43,7 +57,7 @@ DEFAULTS = dict(
     num_heads=2,
     head_dim=8,
     dtype="float32",
-    num_gpus_per_lane=0.5,
+    num_gpus_per_lane=GPUS_PER_LANE,
     heartbeat_s=0.2,
     timeout_s=30.0,
 )

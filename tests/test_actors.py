@@ -13,6 +13,8 @@ import torch
 import cpkv
 from cpkv import CPAllocator, InvalidRequestError, KVCapacityWaitError
 
+from .conftest import CUDA_DEVICES, NUM_GPUS
+
 pytestmark = pytest.mark.ray
 
 
@@ -154,6 +156,7 @@ def test_repeated_call_id_allocates_nothing_twice(make_client):
     assert c.check()["ok"]
 
 
+@pytest.mark.skipif(NUM_GPUS < 4, reason="needs 4 (logical) GPUs")
 def test_lanes_get_distinct_logical_gpus(make_client):
     c = make_client(num_gpus_per_lane=1)
     infos = c.lane_info()
@@ -163,9 +166,21 @@ def test_lanes_get_distinct_logical_gpus(make_client):
 
 
 def test_fractional_gpus_pack_lanes(make_client):
-    c = make_client(num_gpus_per_lane=0.25)
+    c = make_client(num_gpus_per_lane=0.25 if not CUDA_DEVICES else 0.04)
     gpus = {g for i in c.lane_info() for g in i["gpu_ids"]}
-    assert len(gpus) <= 2  # four quarter-GPU lanes share one or two logical GPUs
+    assert len(gpus) <= 2  # four fractional lanes share one or two GPUs
+
+
+@pytest.mark.skipif(not CUDA_DEVICES, reason="needs a CUDA device")
+def test_lane_shards_are_cuda_tensors_on_a_gpu(make_client):
+    c = make_client()
+    assert all(i["device"].startswith("cuda") for i in c.lane_info())
+    tokens = np.arange(300)
+    alloc = c.allocate_extend("g", tokens)
+    k, v = kv_for(tokens, np.arange(300))
+    c.store_kv(alloc.out_cache_loc, k, v)
+    k2, v2 = c.gather_kv(alloc.out_cache_loc)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
 def test_async_twins(make_client):
@@ -207,8 +222,13 @@ def test_metrics_gauges_take_the_stats(ray_session):
 
     m = _Metrics()
     assert m._pages is not None, "ray.util.metrics unavailable"
-    stats = {"free": [3, 4], "used": [1, 0], "cached": [0, 2], "capacity_waits": 2,
-             "pages_evicted": 5}
+    stats = {
+        "free": [3, 4],
+        "used": [1, 0],
+        "cached": [0, 2],
+        "capacity_waits": 2,
+        "pages_evicted": 5,
+    }
     m.update(stats)
     m.update({**stats, "capacity_waits": 3})
     assert m._last == {"capacity_waits": 3, "pages_evicted": 5}
