@@ -812,9 +812,37 @@ class CPAllocator:
         return self._free_slots.pop()
 
     def _rotation_owners(self, num_pages: int) -> np.ndarray:
-        """Owners for pages drawn in rotation, starting at the lane with most free pages."""
-        order = np.argsort(-self.num_free_pages_per_lane(), kind="stable").astype(np.int32)
-        return np.resize(order, num_pages) if num_pages else _EMPTY_I32
+        """Owners for pages drawn in rotation, starting at the lane with most free pages.
+
+        A lane leaves the rotation once its free plus evictable pages are used up,
+        so a fallback step never waits while other lanes could still serve it.
+        """
+        if num_pages == 0:
+            return _EMPTY_I32
+        free = self.num_free_pages_per_lane()
+        order = np.argsort(-free, kind="stable").astype(np.int32)
+        base, extra = divmod(num_pages, self.cp_size)
+        counts = np.full(self.cp_size, base, dtype=np.int64)
+        counts[:extra] += 1  # per position in `order`
+        cap = (free + self._cache.num_evictable_pages_per_lane)[order]
+        if (counts <= cap).all() or cap.sum() < num_pages:
+            return np.resize(order, num_pages)
+        # Water-fill: saturated lanes keep their capacity, the rest share the excess
+        # in rotation order (at most cp_size rounds).
+        for _ in range(self.cp_size):
+            over = counts > cap
+            if not over.any():
+                break
+            excess = int((counts - cap)[over].sum())
+            counts[over] = cap[over]
+            room = np.flatnonzero(counts < cap)
+            share, more = divmod(excess, room.size)
+            counts[room] += share
+            counts[room[:more]] += 1
+        # Interleave: round j visits, in rotation order, the lanes with > j pages.
+        rounds = np.concatenate([np.arange(c) for c in counts])
+        rank = np.repeat(np.arange(self.cp_size), counts)
+        return order[rank[np.lexsort((rank, rounds))]]
 
     def _secure(self, planner, *, reason: str) -> np.ndarray:
         """Make the planned pages free, evicting for the short lanes; return the owners.

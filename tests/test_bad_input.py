@@ -115,8 +115,9 @@ CONNECT = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "needle"), [x[1:] for x in CONNECT],
-                         ids=[x[0] for x in CONNECT])
+@pytest.mark.parametrize(
+    ("kwargs", "needle"), [x[1:] for x in CONNECT], ids=[x[0] for x in CONNECT]
+)
 def test_connect_rejects_bad_sizes_before_starting_anything(kwargs, needle, monkeypatch):
     import cpkv._ray_env as env
 

@@ -20,10 +20,30 @@ def test_spread_bench_on_three_node_local_cluster(tmp_path):
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     cmd = [
-        sys.executable, str(ROOT / "cluster" / "local-cluster.py"),
-        "--workers", "2", "--gpus-per-worker", "2", "--cpus-per-worker", "2",
-        "--", "--lanes", "2,4", "--context", "4k", "--requests", "3", "--page-size", "16",
-        "--strategy", "SPREAD", "--num-gpus-per-lane", "1", "--no-progress", "--out", str(out),
+        sys.executable,
+        str(ROOT / "cluster" / "local-cluster.py"),
+        "--workers",
+        "2",
+        "--gpus-per-worker",
+        "2",
+        "--cpus-per-worker",
+        "2",
+        "--",
+        "--lanes",
+        "2,4",
+        "--context",
+        "4k",
+        "--requests",
+        "3",
+        "--page-size",
+        "16",
+        "--strategy",
+        "SPREAD",
+        "--num-gpus-per-lane",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
     ]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -35,8 +35,9 @@ def test_eight_clients_two_hundred_cycles_under_pressure(make_client):
                 rid = f"t{t}-{i}"
                 suffix = np.array([rng.randrange(1000) for _ in range(rng.randrange(1, 48))])
                 prompt = np.concatenate([prefixes[rng.randrange(3)], suffix])
-                alloc = c.allocate_extend_with_backoff(rid, prompt, deadline_s=60,
-                                                       initial_backoff_s=0.001)
+                alloc = c.allocate_extend_with_backoff(
+                    rid, prompt, deadline_s=60, initial_backoff_s=0.001
+                )
                 pos = np.arange(alloc.prefix_len, alloc.prefix_len + alloc.extend_len)
                 k, v = kv_for_tokens(prompt[pos], pos, 2, 8)
                 c.store_kv(alloc.out_cache_loc, k, v)
