@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The single-GPU run (issue 8): tests with CUDA visible, kernel and actor benchmarks,
+# the demo and a bench sweep, on a machine with torch+triton but no Ray.
+# Ray comes as wheels in .whl/ (tools/ray-wheels-py312.sh .whl). Outputs go to $OUT.
+set -uo pipefail
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT/bench"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=1
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c 'import sys,torch,triton,ray,numpy;print(sys.version.split()[0],"torch",torch.__version__,"triton",triton.__version__,"ray",ray.__version__,"numpy",numpy.__version__)'
+} > "$OUT/env.txt" 2>&1
+step() {
+  local t=$1 name=$2 s=$SECONDS; shift 2
+  echo "== $*" > "$OUT/$name"
+  timeout "$t" "$@" >> "$OUT/$name" 2>&1
+  echo "rc=$? wall $((SECONDS - s))s" >> "$OUT/$name"
+}
+step 280 tests.txt python3 scripts/run_tests.py -q -p no:cacheprovider -W ignore ${TEST_ARGS:-}
+step 120 kernels.txt python3 benchmarks/bench_kernels.py
+step 60 actors.txt python3 benchmarks/bench_actors.py --iters 200
+step 60 demo.txt python3 -m cpkv.cli demo --no-progress
+step 120 bench.txt python3 -m cpkv.cli bench --lanes 1,2,4 --context 32k,128k,1M --requests 6 --no-progress --no-plot --out "$OUT/bench"
+rm -f "$OUT/bench/bench.csv"
+for f in "$OUT"/*.txt; do grep -v "WARNING\|core_worker.cc\|repeated [0-9]*x" "$f" > "$f.tmp" && mv "$f.tmp" "$f"; done
+tail -3 "$OUT"/*.txt
