@@ -6,6 +6,10 @@ set -uo pipefail
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT/bench"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+# The repacked wheel loses exec bits: give Ray's binaries theirs back.
+find /tmp/site/ray/core -type f \( -name gcs_server -o -name raylet -o -name '*.so' \) -exec chmod +x {} +
+find /tmp/site/bin -type f -exec chmod +x {} + 2>/dev/null
+export PATH=/tmp/site/bin:$PATH
 export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=1
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -24,4 +28,4 @@ step 60 demo.txt python3 -m cpkv.cli demo --no-progress
 step 120 bench.txt python3 -m cpkv.cli bench --lanes 1,2,4 --context 32k,128k,1M --requests 6 --no-progress --no-plot --out "$OUT/bench"
 rm -f "$OUT/bench/bench.csv"
 for f in "$OUT"/*.txt; do grep -v "WARNING\|core_worker.cc\|repeated [0-9]*x" "$f" > "$f.tmp" && mv "$f.tmp" "$f"; done
-tail -3 "$OUT"/*.txt
+for f in "$OUT"/*.txt; do tail -n 3 "$f"; done
