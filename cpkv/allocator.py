@@ -287,6 +287,10 @@ class CPAllocator:
     def request_seq(self, rid: Hashable) -> int:
         return self._get(rid).seq
 
+    def lost_rids(self, lane: int) -> list[Hashable]:
+        """Requests lost with ``lane`` whose loss is not yet acknowledged by ``free``."""
+        return [rid for rid, r in self._lost.items() if r == lane]
+
     def request_ids(self) -> list[Hashable]:
         return list(self._reqs)
 
@@ -573,6 +577,7 @@ class CPAllocator:
         del self._reqs[rid]
         pages = req.pages
         keep = req.num_cached_pages
+        num_dups = 0
         if cache and self.enable_prefix_cache:
             n_commit = req.num_tokens if committed_len is None else committed_len
             n_full = min(req.num_hashed_pages, n_commit // self.page_size)
@@ -581,11 +586,12 @@ class CPAllocator:
                 dups = self._cache.insert(hashes, pages[:n_full])
                 keep = max(keep, n_full)
                 self._release(dups)
+                num_dups = int(dups.shape[0])
         released = pages[keep:]
         self._release(released)
         self._cache.unlock(req.node)
         self._free_slots.append(req.slot)
-        return int(released.shape[0])
+        return int(released.shape[0]) + num_dups
 
     # -------------------------------------------------------------- lane loss
     def drop_lane(self, lane: int) -> list[Hashable]:
@@ -827,18 +833,20 @@ class CPAllocator:
         cap = (free + self._cache.num_evictable_pages_per_lane)[order]
         if (counts <= cap).all() or cap.sum() < num_pages:
             return np.resize(order, num_pages)
-        # Water-fill: saturated lanes keep their capacity, the rest share the excess
-        # in rotation order (at most cp_size rounds).
-        for _ in range(self.cp_size):
-            over = counts > cap
-            if not over.any():
+        # Water-fill: every lane gets min(cap, level) for the highest level that fits,
+        # the rest one more each in rotation order, so unsaturated lanes stay within
+        # a page of each other.
+        level = 0
+        for c in np.unique(cap):
+            if np.minimum(cap, c).sum() > num_pages:
                 break
-            excess = int((counts - cap)[over].sum())
-            counts[over] = cap[over]
-            room = np.flatnonzero(counts < cap)
-            share, more = divmod(excess, room.size)
-            counts[room] += share
-            counts[room[:more]] += 1
+            level = int(c)
+        open_lanes = int((cap > level).sum())
+        if open_lanes:
+            level += (num_pages - int(np.minimum(cap, level).sum())) // open_lanes
+        counts = np.minimum(cap, level)
+        room = np.flatnonzero(cap > counts)
+        counts[room[: num_pages - int(counts.sum())]] += 1
         # Interleave: round j visits, in rotation order, the lanes with > j pages.
         rounds = np.concatenate([np.arange(c) for c in counts])
         rank = np.repeat(np.arange(self.cp_size), counts)

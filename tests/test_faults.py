@@ -81,7 +81,16 @@ def test_killed_coordinator_restarts_and_reports_requests_lost(make_client):
     c = make_client(fresh=True)
     c.allocate_extend("x", np.arange(40))
     c.allocate_extend("y", np.arange(100, 140))
+    old_epoch = c._epoch
     ray.kill(c._coord, no_restart=False)
+
+    def restarted():  # ray.kill is asynchronous: wait until the new one answers
+        try:
+            return ray.get(c._coord.epoch.remote(), timeout=5) != old_epoch
+        except ray.exceptions.RayError:
+            return False
+
+    wait_for(restarted)
     with pytest.raises(CoordinatorUnavailableError) as info:
         c.allocate_decode(["x"])
     assert sorted(info.value.rids) == ["x", "y"]

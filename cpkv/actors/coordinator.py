@@ -130,9 +130,10 @@ class CoordinatorActor:
             return CoordinatorUnavailableError("coordinator restarted")
         alive = self._probe(lane)
         with self._lock:
-            if alive:
-                return []
-            return self._lane_lost(lane, detail or "reported by a client")
+            if not alive and lane not in self._dead_lanes:
+                self._lane_lost(lane, detail or "reported by a client")
+            # Also those a heartbeat already failed and nobody has acknowledged yet.
+            return self._core.lost_rids(lane)
 
     def stats(self) -> dict:
         with self._lock:
