@@ -10,11 +10,13 @@ lanes that died or restarted.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 
 import ray
 
@@ -86,6 +88,12 @@ class CoordinatorActor:
         self._lane_restart_timeout_s = lane_restart_timeout_s
         self._metrics = _Metrics()
         self._pending: list[tuple[int, ray.ObjectRef]] = []
+        self._pending_lock = threading.Lock()
+        # NOTE: every lane call goes through this one sender thread, in the order it
+        # was queued (under self._lock), so Ray keeps a lane's calls in decision order
+        # and the caller gets its answer without waiting for the submissions.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._sender_loop, daemon=True, name="cpkv-sender").start()
         self.reset()  # a (re)started coordinator knows no pages: make the lanes agree
         self._stop = threading.Event()
         if heartbeat_s > 0:
@@ -157,7 +165,8 @@ class CoordinatorActor:
                 problems.append(f"core: {e}")
             expected = self._held_per_lane()
             known = list(self._incarnations)
-            refs = [lane.heartbeat.remote() for lane in self._lanes]
+            futures = [self._send(r, "heartbeat", wait=True) for r in range(len(self._lanes))]
+        refs = [f.result() for f in futures]
         for r, ref in enumerate(refs):
             try:
                 incarnation, held = ray.get(ref, timeout=self._lane_restart_timeout_s)
@@ -173,24 +182,19 @@ class CoordinatorActor:
     def reset(self) -> None:
         """Forget every request and cached page; every lane back to an empty shard."""
         with self._lock:
-            if self._pending:
-                ray.wait(
-                    [ref for _, ref in self._pending],
-                    num_returns=len(self._pending),
-                    timeout=self._lane_restart_timeout_s,
-                )
             self._core = CPAllocator.from_config(self._config, record_page_moves=True)
             self._op = 0
             self._answers: OrderedDict[Hashable, object] = OrderedDict()
-            self._pending = []
             self._mirror_mismatches = 0
             self._lane_losses: list[tuple[int, list]] = []
             self._lane_calls = 0
             self._lane_calls_by_op: dict[str, int] = {}
             self._dead_lanes: set[int] = set()
-            self._incarnations = ray.get(
-                [lane.reset.remote() for lane in self._lanes], timeout=self._lane_restart_timeout_s
-            )
+            futures = [self._send(r, "reset", wait=True) for r in range(len(self._lanes))]
+            refs = [f.result() for f in futures]
+            with self._pending_lock:
+                self._pending = []  # every earlier move was submitted before these resets
+            self._incarnations = ray.get(refs, timeout=self._lane_restart_timeout_s)
 
     def epoch(self) -> str:
         return self._epoch
@@ -227,26 +231,46 @@ class CoordinatorActor:
         """Send each lane its page moves; do not wait (Ray keeps them in order)."""
         for r, (taken, released) in enumerate(self._core.drain_page_moves()):
             if taken.size or released.size:
-                ref = self._lanes[r].apply.remote(key, taken, released)
-                self._pending.append((r, ref))
+                self._send(r, "apply", key, taken, released)
                 self._lane_calls += 1
                 self._lane_calls_by_op[key[0]] = self._lane_calls_by_op.get(key[0], 0) + 1
-        if len(self._pending) > _MAX_PENDING_LANE_CALLS:
+        if len(self._pending) + self._outbox.qsize() > _MAX_PENDING_LANE_CALLS:
             self._poll_pending(block_oldest=True)
 
+    def _send(self, lane: int, method: str, *args, wait: bool = False) -> Future | None:
+        """Queue a lane call; with ``wait`` get a future of its ObjectRef."""
+        future = Future() if wait else None
+        self._outbox.put((lane, method, args, future))
+        return future
+
+    def _sender_loop(self) -> None:
+        while True:
+            lane, method, args, future = self._outbox.get()
+            try:
+                ref = getattr(self._lanes[lane], method).remote(*args)
+            except Exception as e:  # a submission error surfaces like a failed call
+                if future is not None:
+                    future.set_exception(e)
+                continue
+            if future is not None:
+                future.set_result(ref)
+            else:
+                with self._pending_lock:
+                    self._pending.append((lane, ref))
+
     def _poll_pending(self, block_oldest: bool = False) -> None:
-        if not self._pending:
+        with self._pending_lock:
+            pending = list(self._pending)
+        if not pending:
             return
-        refs = [ref for _, ref in self._pending]
+        refs = [ref for _, ref in pending]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         if block_oldest and not ready:
             ready, _ = ray.wait(refs[:1], timeout=self._lane_restart_timeout_s)
         ready = set(ready)
         failed = set()
-        keep = []
-        for r, ref in self._pending:
+        for r, ref in pending:
             if ref not in ready:
-                keep.append((r, ref))
                 continue
             try:
                 ray.get(ref)
@@ -255,7 +279,8 @@ class CoordinatorActor:
             except Exception:
                 logger.exception("lane %d rejected a page move", r)
                 failed.add(r)
-        self._pending = keep
+        with self._pending_lock:
+            self._pending = [(r, ref) for r, ref in self._pending if ref not in ready]
         for r in sorted(failed):
             self._lane_lost(r, "a page move failed")
 
@@ -267,7 +292,8 @@ class CoordinatorActor:
         """True when ``lane`` answers with the incarnation we know."""
         try:
             incarnation, _ = ray.get(
-                self._lanes[lane].heartbeat.remote(), timeout=self._lane_restart_timeout_s
+                self._send(lane, "heartbeat", wait=True).result(),
+                timeout=self._lane_restart_timeout_s,
             )
         except Exception:
             return False
@@ -279,7 +305,8 @@ class CoordinatorActor:
         lost = self._core.drop_lane(lane)
         self._op += 1
         self._dispatch(("lane_lost", lane, self._op))
-        self._pending = [(r, ref) for r, ref in self._pending if r != lane]
+        with self._pending_lock:
+            self._pending = [(r, ref) for r, ref in self._pending if r != lane]
         self._lane_losses.append((lane, lost))
         logger.warning("lane %d lost (%s): %d requests failed: %s", lane, why, len(lost), lost)
         self._bring_back(lane)
@@ -296,7 +323,7 @@ class CoordinatorActor:
         while True:
             try:
                 self._incarnations[lane] = ray.get(
-                    self._lanes[lane].reset.remote(),
+                    self._send(lane, "reset", wait=True).result(),
                     timeout=max(0.1, deadline - time.monotonic()),
                 )
                 self._dead_lanes.discard(lane)
@@ -321,8 +348,9 @@ class CoordinatorActor:
             self._poll_pending()
             expected = self._held_per_lane()
             known = list(self._incarnations)
-            refs = [lane.heartbeat.remote() for lane in self._lanes]
+            futures = [self._send(r, "heartbeat", wait=True) for r in range(len(self._lanes))]
             self._metrics.update(self._core.stats())
+        refs = [f.result() for f in futures]
         deadline = time.monotonic() + max(5.0, self._lane_restart_timeout_s)
         for r, ref in enumerate(refs):
             try:
