@@ -203,6 +203,7 @@ def test_submit_script_dry_run_builds_the_command() -> None:
         "JOB_ID": "t-1",
         "RAY_ADDRESS": "http://10.1.2.3:8265",
     }
+    env.pop("OUT", None)  # the script's own results-dir override; some shells export it
     out = subprocess.run(
         [bash, str(SUBMIT), "--dry-run", "--no-wait", "--", "--no-plot"],
         env=env,
