@@ -378,30 +378,9 @@ class CPAllocator:
         new_pages = self._take_pages(owners)
         if req is None:
             req = self._new_request(rid, slot, match, hashed)
-        head_slot, head_len = self._head(req, extend_len)
-        req.add_pages(new_pages)
-        self._advance(req, extend_len, hashed, skip=match.num_pages if match else 0)
-        req.seq += 1
-        self._counters.extend_allocations += 1
         if reason:
             self._count_fallback(reason, extend_len)
-        return ExtendAllocation(
-            rid=rid,
-            seq=req.seq,
-            req_slot=req.slot,
-            prefix_len=prefix_len,
-            cached_len=prefix_len if match is not None else 0,
-            extend_len=extend_len,
-            page_size=self.page_size,
-            cp_size=self.cp_size,
-            head_slot=head_slot,
-            head_len=head_len,
-            new_pages=new_pages,
-            page_owners=None if plan is None else plan.page_owners,
-            lane_token_ranges=None if plan is None else plan.lane_token_ranges,
-            fallback_reason=reason,
-            cached_pages=match.pages if match is not None else _EMPTY_I32,
-        )
+        return self._extend(req, prefix_len, extend_len, new_pages, hashed, match, plan, reason)
 
     def allocate_extend_batch(
         self, items: Sequence[tuple[Hashable, object]]
@@ -470,28 +449,9 @@ class CPAllocator:
             req = self._reqs.get(rid)
             if req is None:
                 req = self._new_request(rid, self._take_slot(), match, hashed)
-            head_slot, head_len = self._head(req, extend_len)
-            req.add_pages(new_pages)
-            self._advance(req, extend_len, hashed, skip=match.num_pages if match else 0)
-            req.seq += 1
-            self._counters.extend_allocations += 1
             out.append(
-                ExtendAllocation(
-                    rid=rid,
-                    seq=req.seq,
-                    req_slot=req.slot,
-                    prefix_len=prefix_len,
-                    cached_len=prefix_len if match is not None else 0,
-                    extend_len=extend_len,
-                    page_size=self.page_size,
-                    cp_size=self.cp_size,
-                    head_slot=head_slot,
-                    head_len=head_len,
-                    new_pages=new_pages,
-                    page_owners=None,
-                    lane_token_ranges=None,
-                    fallback_reason="multi_batch",
-                    cached_pages=match.pages if match is not None else _EMPTY_I32,
+                self._extend(
+                    req, prefix_len, extend_len, new_pages, hashed, match, None, "multi_batch"
                 )
             )
         self._count_fallback("multi_batch", sum(p[4] for p in plans))
@@ -749,6 +709,41 @@ class CPAllocator:
         if used == 0 or req.num_tokens == 0:
             return -1, 0
         return req.last_slot(self.page_size) + 1, min(self.page_size - used, extend_len)
+
+    def _extend(
+        self,
+        req: _Request,
+        prefix_len: int,
+        extend_len: int,
+        new_pages: np.ndarray,
+        hashed: HashedTokens,
+        match,
+        plan,
+        reason: str | None,
+    ) -> ExtendAllocation:
+        """Give ``req`` its new pages and tokens; describe the step to the caller."""
+        head_slot, head_len = self._head(req, extend_len)
+        req.add_pages(new_pages)
+        self._advance(req, extend_len, hashed, skip=match.num_pages if match else 0)
+        req.seq += 1
+        self._counters.extend_allocations += 1
+        return ExtendAllocation(
+            rid=req.rid,
+            seq=req.seq,
+            req_slot=req.slot,
+            prefix_len=prefix_len,
+            cached_len=prefix_len if match is not None else 0,
+            extend_len=extend_len,
+            page_size=self.page_size,
+            cp_size=self.cp_size,
+            head_slot=head_slot,
+            head_len=head_len,
+            new_pages=new_pages,
+            page_owners=None if plan is None else plan.page_owners,
+            lane_token_ranges=None if plan is None else plan.lane_token_ranges,
+            fallback_reason=reason,
+            cached_pages=match.pages if match is not None else _EMPTY_I32,
+        )
 
     def _chunk(self, rid: Hashable, req: _Request | None, token_ids) -> HashedTokens:
         """The chunk as page hashes chained onto ``req``'s partial page.

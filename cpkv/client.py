@@ -172,30 +172,28 @@ class CPKVClient:
         return (self._client_id, next(self._calls))
 
     def _get(self, ref, what: str):
-        ray = self._ray
         try:
-            out = ray.get(ref, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RequestTimeoutError(f"{what}: no answer within {self.timeout_s}s") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            self._lose_all()
-            raise CoordinatorUnavailableError(
-                f"{what}: coordinator died ({type(e).__name__})", self._take_lost()
-            ) from None
-        return self._unwrap(out)
+            return self._unwrap(self._ray.get(ref, timeout=self.timeout_s))
+        except Exception as e:
+            raise self._translate(e, what) from None
 
     async def _aget(self, ref, what: str):
-        ray = self._ray
         try:
-            out = await asyncio.wait_for(ref, timeout=self.timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimeoutError(f"{what}: no answer within {self.timeout_s}s") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            return self._unwrap(await asyncio.wait_for(ref, timeout=self.timeout_s))
+        except Exception as e:
+            raise self._translate(e, what) from None
+
+    def _translate(self, e: Exception, what: str) -> Exception:
+        """Ray's timeout and actor errors as cpkv's; anything else unchanged."""
+        ray = self._ray
+        if isinstance(e, (ray.exceptions.GetTimeoutError, asyncio.TimeoutError)):
+            return RequestTimeoutError(f"{what}: no answer within {self.timeout_s}s")
+        if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
             self._lose_all()
-            raise CoordinatorUnavailableError(
+            return CoordinatorUnavailableError(
                 f"{what}: coordinator died ({type(e).__name__})", self._take_lost()
-            ) from None
-        return self._unwrap(out)
+            )
+        return e
 
     def _unwrap(self, out):
         if isinstance(out, CoordinatorUnavailableError):
