@@ -13,7 +13,7 @@ import torch
 import cpkv
 from cpkv import CPAllocator, InvalidRequestError, KVCapacityWaitError
 
-from .conftest import CUDA_DEVICES, NUM_GPUS
+from .conftest import CUDA_DEVICES, DEFAULTS, NUM_GPUS
 
 pytestmark = pytest.mark.ray
 
@@ -200,17 +200,7 @@ def test_async_twins(make_client):
 def test_attach_to_named_coordinator(make_client):
     c = make_client(name="shared-coord")
     c.allocate_extend("r", np.arange(10))
-    other = cpkv.connect(
-        name="shared-coord",
-        cp_size=4,
-        page_size=4,
-        num_pages_per_lane=32,
-        max_reqs=32,
-        max_context_len=4096,
-        num_heads=2,
-        head_dim=8,
-        dtype="float32",
-    )
+    other = cpkv.connect(**{**DEFAULTS, "name": "shared-coord"})
     assert other.stats()["num_requests"] == 1
     assert other.lanes == c.lanes
     with pytest.raises(InvalidRequestError, match="exists"):
