@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["alloc_extend_slots", "gather_kv", "get_last_loc", "store_kv", "write_req_to_token"]
+__all__ = [
+    "alloc_extend_slots",
+    "gather_kv",
+    "get_last_loc",
+    "merge_attn_states",
+    "paged_partial_attention",
+    "store_kv",
+    "write_req_to_token",
+]
 
 
 def _segments(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,3 +150,98 @@ def gather_kv(
         rows[keep] = shard.reshape(-1, *shard.shape[2:])[slots]
         out.append(rows)
     return out[0], out[1]
+
+
+def paged_partial_attention(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cu_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    page_pos: torch.Tensor,
+    page_len: torch.Tensor,
+    cu_pages: torch.Tensor,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`cpkv.kernels.paged_partial_attention`: attention of queries with
+    global positions over the pages one lane holds, causal by position, with its log-sum-exp.
+
+    Queries and pages are grouped by sequence: sequence ``b`` owns queries
+    ``cu_q[b]:cu_q[b+1]`` and pages ``cu_pages[b]:cu_pages[b+1]`` of ``page_table``. Slot ``j``
+    of page ``i`` holds the key at position ``page_pos[i] + j`` when ``j < page_len[i]``; a
+    query at position ``p`` sees the keys of its own sequence at positions ``<= p``. Pages
+    need not be in position order nor contiguous in positions (zigzag segments, cached
+    prefixes spread over lanes).
+
+    Args:
+        q: ``[Tq, Hq, D]`` queries (fp16/bf16/fp32).
+        q_pos: ``int64 [Tq]`` global position of each query.
+        cu_q: ``int32/int64 [B + 1]`` query offsets per sequence (non-decreasing, from 0).
+        k_cache, v_cache: ``[P, page_size, Hkv, D]`` the lane's shard; ``Hq % Hkv == 0`` (GQA:
+            query head ``h`` reads KV head ``h // (Hq // Hkv)``).
+        page_table: ``int32 [N]`` local page ids, grouped by sequence.
+        page_pos: ``int64 [N]`` global position of each page's slot 0.
+        page_len: ``int32 [N]`` valid slots of each page, in ``[0, page_size]``.
+        cu_pages: ``int32/int64 [B + 1]`` page offsets per sequence.
+        sm_scale: softmax scale (usually ``D ** -0.5``).
+
+    Returns:
+        ``(out, lse)``: ``out`` fp32 ``[Tq, Hq, D]`` normalised over the visible keys, ``lse``
+        fp32 ``[Tq, Hq]`` natural-log sum of ``exp(scale * q.k)`` over them; where a query sees
+        no key, ``out`` is 0 and ``lse`` is ``-inf``.
+    """
+    tq, hq, d = q.shape
+    ps, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    out = torch.zeros(tq, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((tq, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    cu_q_l, cu_p_l = cu_q.tolist(), cu_pages.tolist()
+    for b in range(len(cu_q_l) - 1):
+        q0, q1, p0, p1 = cu_q_l[b], cu_q_l[b + 1], cu_p_l[b], cu_p_l[b + 1]
+        if q1 == q0 or p1 == p0:
+            continue
+        pages = page_table[p0:p1].to(torch.int64)
+        # Keys of this sequence on this lane, flattened page by page: [n_pages * ps, Hkv, D].
+        k = k_cache[pages].reshape(-1, hkv, d).float()
+        v = v_cache[pages].reshape(-1, hkv, d).float()
+        offs = torch.arange(ps, device=q.device)
+        kpos = (page_pos[p0:p1].to(torch.int64)[:, None] + offs).reshape(-1)
+        kvalid = (offs[None, :] < page_len[p0:p1].to(torch.int64)[:, None]).reshape(-1)
+        k = k.repeat_interleave(group, dim=1)  # [K, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        qb = q[q0:q1].float()
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale  # [Hq, Tb, K]
+        visible = kvalid[None, :] & (kpos[None, :] <= q_pos[q0:q1].to(torch.int64)[:, None])
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        m = scores.amax(dim=-1, keepdim=True)  # [Hq, Tb, 1]
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(scores - m_safe)
+        s = p.sum(dim=-1, keepdim=True)
+        o = torch.einsum("hqk,khd->qhd", p / s.clamp(min=1e-30), v)
+        seen = visible.any(dim=-1)  # [Tb]
+        out[q0:q1] = torch.where(seen[:, None, None], o, torch.zeros_like(o))
+        lse_b = (m_safe + torch.log(s.clamp(min=1e-30))).squeeze(-1).transpose(0, 1)  # [Tb, Hq]
+        lse[q0:q1] = torch.where(seen[:, None], lse_b, torch.full_like(lse_b, float("-inf")))
+    return out, lse
+
+
+def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`cpkv.kernels.merge_attn_states`: combine partial attentions.
+
+    Args:
+        outs: ``[L, T, H, D]`` partial outputs (each normalised over its own keys).
+        lses: ``fp32 [L, T, H]`` their log-sum-exps (``-inf``: that part saw no key).
+
+    Returns:
+        ``(out, lse)``: fp32 ``[T, H, D]`` and ``[T, H]``, exactly the attention over the
+        union of the parts' keys; 0 and ``-inf`` where no part saw a key.
+    """
+    lses = lses.float()
+    m = lses.amax(dim=0)  # [T, H]
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lses - m_safe[None])  # 0 for -inf parts
+    s = w.sum(dim=0)  # [T, H]
+    out = (w[..., None] * outs.float()).sum(dim=0) / s.clamp(min=1e-30)[..., None]
+    lse = torch.where(s > 0, m_safe + torch.log(s.clamp(min=1e-30)), torch.full_like(s, -torch.inf))
+    return out, lse
