@@ -10,7 +10,8 @@ from __future__ import annotations
 from cpkv.kernels.alloc_extend_slots import alloc_extend_slots
 from cpkv.kernels.gather_kv import gather_kv
 from cpkv.kernels.get_last_loc import get_last_loc
-from cpkv.kernels.naive import merge_attn_states, paged_partial_attention  # Triton versions: TODO
+from cpkv.kernels.merge_attn_states import merge_attn_states
+from cpkv.kernels.paged_attention import paged_partial_attention
 from cpkv.kernels.store_kv import store_kv
 from cpkv.kernels.write_req_to_token import write_req_to_token
 
