@@ -1,0 +1,419 @@
+"""Context-parallel attention over the lanes' paged KV shards, with two exchange modes.
+
+Per layer and step, each lane holds the queries, keys and values of the step tokens it owns
+(``plan.my_tokens``), and its shard holds the K/V of every position whose page lives on it.
+:meth:`CPAttention.forward` first writes the lane's new K/V into its own shard (once, in place,
+by the owner), then exchanges and attends:
+
+``pass_q``
+    All-gather the step's queries; every lane attends **all** of them to **its** pages (cached
+    prefix and this step's tokens alike: after step 1 every lane's pages are complete, because a
+    page only holds tokens its lane owns); an all-to-all returns each query's partial output and
+    LSE to its owner, which merges the ``cp_size`` partials. Two collectives.
+
+``pass_kv``
+    All-gather the step's new K and V (one collective, K and V packed); each lane lays every
+    request's new K/V out in position order as pages of a temporary and attends its **own**
+    queries to them with the same paged kernel. Keys of the cached prefix (positions
+    ``< prefix_len``) are spread over the lanes' shards and are *not* gathered: when any request
+    has history, a pass-Q round restricted to the history pages and to the queries of requests
+    with history follows (two more collectives), and the owner merges new-key and history
+    partials. Without history the whole exchange is one all-gather.
+
+``auto``
+    Per step, estimate each mode's exchange time as ``n_collectives * latency + bytes /
+    bandwidth`` and take the smaller (ties: ``pass_q``). The link numbers come from
+    :meth:`LaneGroup.measure` (one probe per group, agreed by all lanes); bytes are those the
+    busiest lane receives (see :func:`exchange_costs`). Both modes move the same attention work
+    overall, so compute is not modelled. In practice: a fresh prefill (no history) with GQA
+    takes ``pass_kv`` (``2 * Hkv`` K/V rows instead of ``Hq`` query rows plus ``Hq * (D + 1)``
+    fp32 partials, and one collective instead of two); a step whose requests all have history
+    takes ``pass_q`` (pass_kv would do the same history round *plus* the K/V gather); decode
+    (one token per request, long history) takes ``pass_q``.
+
+Every lane must construct the attention with the same mode and call ``forward`` at the same
+points with the same dtypes and head shapes: the exchanges are collectives, and ``auto`` relies
+on every lane computing the same decision from the same global plan and agreed link numbers.
+Lanes owning no token of a step still take part in every collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cpkv import kernels
+from cpkv.lanes.comm import LaneGroup
+from cpkv.lanes.step import PageTable, QExchange, StepPlan
+
+__all__ = ["MODES", "CPAttention", "exchange_costs"]
+
+MODES = ("pass_q", "pass_kv", "auto")
+
+
+def _exchange_cost(
+    n_collectives: int, rows: int, row_bytes: int, cp: int, latency_s: float, bytes_per_s: float
+) -> tuple[float, int]:
+    received = (cp - 1) * rows * row_bytes
+    return n_collectives * latency_s + (received / bytes_per_s if received else 0.0), received
+
+
+def exchange_costs(
+    plan: StepPlan,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_bytes: int,
+    kv_bytes: int,
+    latency_s: float,
+    bytes_per_s: float,
+) -> dict[str, float]:
+    """Estimated exchange time of each mode for this step (seconds, equal on every lane).
+
+    Bytes are per lane, as the busiest lane receives them: an all-gather of rows padded to the
+    largest lane's count ``m`` brings ``(cp - 1) * m`` rows from the others, and the all-to-all
+    returning partials brings the busiest owner ``(cp - 1) * m`` rows too. With ``T`` tokens
+    balanced over lanes this is ``(cp - 1) / cp * T`` rows, the same factor for both modes, so
+    the comparison is the plain one of ``T * Hq * D * q_bytes + T * Hq * (D + 1) * 4`` (pass_q)
+    against ``2 * T * Hkv * D * kv_bytes`` (pass_kv) plus its history pass-Q round.
+
+    Args:
+        plan: the step's plan.
+        num_q_heads, num_kv_heads, head_dim: ``Hq``, ``Hkv``, ``D``.
+        q_bytes, kv_bytes: element sizes of the queries and of the new K/V.
+        latency_s: per-collective latency.
+        bytes_per_s: bytes per second one lane receives in an all-gather.
+
+    Returns:
+        ``{"pass_q": seconds, "pass_kv": seconds}``; 0 for both at ``cp_size == 1``.
+    """
+    cp = plan.cp_size
+    if cp == 1:
+        return {"pass_q": 0.0, "pass_kv": 0.0}
+    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+    q_row, partial_row = hq * d * q_bytes, hq * (d + 1) * 4
+    top = int(plan.lane_counts.max())
+    pass_q = _exchange_cost(2, top, q_row + partial_row, cp, latency_s, bytes_per_s)[0]
+    pass_kv = _exchange_cost(1, top, 2 * hkv * d * kv_bytes, cp, latency_s, bytes_per_s)[0]
+    if plan.history is not None:
+        top_h = int(plan.history.counts.max())
+        pass_kv += _exchange_cost(2, top_h, q_row + partial_row, cp, latency_s, bytes_per_s)[0]
+    return {"pass_q": pass_q, "pass_kv": pass_kv}
+
+
+@dataclass(slots=True)
+class _DeviceTable:
+    page_table: torch.Tensor
+    page_pos: torch.Tensor
+    page_len: torch.Tensor
+    cu_pages: torch.Tensor
+    num_pages: int
+
+
+@dataclass(slots=True)
+class _DeviceExchange:
+    counts: list[int]
+    sorted_to_gathered: torch.Tensor
+    gathered_to_sorted: torch.Tensor
+    positions: torch.Tensor
+    cu_q: torch.Tensor
+    my_rows: torch.Tensor | None  # None: all of this lane's tokens
+    pages: _DeviceTable
+
+
+@dataclass(slots=True)
+class _DevicePlan:
+    my_local_slots: torch.Tensor
+    my_positions: torch.Tensor
+    my_cu_q: torch.Tensor
+    pass_q: _DeviceExchange
+    history: _DeviceExchange | None
+    new_pages: _DeviceTable
+    new_rows: torch.Tensor
+
+
+def _t(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def _table(t: PageTable, device: torch.device) -> _DeviceTable:
+    return _DeviceTable(
+        _t(t.page_table, device),
+        _t(t.page_pos, device),
+        _t(t.page_len, device),
+        _t(t.cu_pages, device),
+        t.num_pages,
+    )
+
+
+def _exchange(x: QExchange, n_mine: int, device: torch.device) -> _DeviceExchange:
+    all_mine = x.my_rows.shape[0] == n_mine
+    return _DeviceExchange(
+        counts=[int(c) for c in x.counts],
+        sorted_to_gathered=_t(x.sorted_to_gathered, device),
+        gathered_to_sorted=_t(x.gathered_to_sorted, device),
+        positions=_t(x.positions, device),
+        cu_q=_t(x.cu_q, device),
+        my_rows=None if all_mine else _t(x.my_rows, device),
+        pages=_table(x.pages, device),
+    )
+
+
+class CPAttention:
+    """One step's CP attention for one lane (reused across the layers of that step).
+
+    Args:
+        group: the lanes' group; ``group.rank`` must be ``plan.lane`` and ``group.world_size``
+            ``plan.cp_size``.
+        plan: the step's plan, built for this lane.
+        mode: ``"pass_q"``, ``"pass_kv"`` or ``"auto"`` (the same on every lane).
+
+    Attributes:
+        last_mode: the mode the last :meth:`forward` ran (``None`` before the first).
+        last_costs: ``auto``'s estimates ``{"pass_q": s, "pass_kv": s}`` for the last call, or
+            ``None`` when the mode was fixed.
+        exchange_bytes: payload bytes this lane received from the other lanes in the last
+            call (all collectives; all-gather padding not counted).
+
+    Raises:
+        ValueError: unknown mode, or a plan that does not match the group.
+    """
+
+    def __init__(self, group: LaneGroup, plan: StepPlan, mode: str = "auto") -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} must be one of {MODES}")
+        if group.world_size != plan.cp_size or group.rank != plan.lane:
+            raise ValueError(
+                f"plan for lane {plan.lane} of cp_size={plan.cp_size} does not match group rank "
+                f"{group.rank} of world_size={group.world_size}"
+            )
+        self.group = group
+        self.plan = plan
+        self.mode = mode
+        self.last_mode: str | None = None
+        self.last_costs: dict[str, float] | None = None
+        self.exchange_bytes = 0
+        self._device_plans: dict[torch.device, _DevicePlan] = {}
+        self._auto: dict[tuple[int, ...], tuple[str, dict[str, float]]] = {}
+
+    # --- setup ---
+
+    def _device_plan(self, device: torch.device) -> _DevicePlan:
+        dp = self._device_plans.get(device)
+        if dp is None:
+            p = self.plan
+            dp = _DevicePlan(
+                my_local_slots=_t(p.my_local_slots, device),
+                my_positions=_t(p.my_positions, device),
+                my_cu_q=_t(p.my_cu_q, device),
+                pass_q=_exchange(p.pass_q, p.num_mine, device),
+                history=None if p.history is None else _exchange(p.history, p.num_mine, device),
+                new_pages=_table(p.new_pages, device),
+                new_rows=_t(p.new_rows, device),
+            )
+            self._device_plans[device] = dp
+        return dp
+
+    def _check(
+        self,
+        k_shard: torch.Tensor,
+        v_shard: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        n = self.plan.num_mine
+        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+            raise ValueError(
+                f"q, k, v must be [tokens, heads, dim], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}"
+            )
+        if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n:
+            raise ValueError(
+                f"lane {self.plan.lane} owns {n} tokens of the step but got q {tuple(q.shape)}, "
+                f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+            raise ValueError(
+                f"need k.shape == v.shape, one head dim and Hq % Hkv == 0; got q "
+                f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if k_shard.ndim != 4 or k_shard.shape[1] != self.plan.page_size:
+            raise ValueError(
+                f"k_shard must be [pages, page_size={self.plan.page_size}, Hkv, D], got "
+                f"{tuple(k_shard.shape)}"
+            )
+        if k_shard.shape[2:] != k.shape[1:]:
+            raise ValueError(
+                f"k_shard {tuple(k_shard.shape)} does not hold k rows {tuple(k.shape[1:])}"
+            )
+        if self.plan.max_local_page >= k_shard.shape[0]:
+            raise ValueError(
+                f"the plan names local page {self.plan.max_local_page} but the shard has "
+                f"{k_shard.shape[0]} pages"
+            )
+
+    # --- decision ---
+
+    def _decide(self, q: torch.Tensor, k: torch.Tensor) -> str:
+        if self.mode != "auto":
+            self.last_costs = None
+            return self.mode
+        key = (q.shape[1], k.shape[1], q.shape[2], q.element_size(), k.element_size())
+        if key not in self._auto:
+            # NOTE: measure() is a collective, run on every lane's first auto call (same point
+            # everywhere); the costs use only global plan data and the agreed link numbers, so
+            # every lane picks the same mode and the collectives below match.
+            link = self.group.measure()
+            costs = exchange_costs(self.plan, *key, link["latency_s"], link["bytes_per_s"])
+            choice = "pass_kv" if costs["pass_kv"] < costs["pass_q"] else "pass_q"
+            self._auto[key] = (choice, costs)
+        choice, costs = self._auto[key]
+        self.last_costs = dict(costs)
+        return choice
+
+    # --- exchanges ---
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        cu_q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pages: _DeviceTable,
+        sm_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.shape[0] == 0 or pages.num_pages == 0:  # nothing visible: the empty partial
+            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            return out, torch.full(q.shape[:2], float("-inf"), device=q.device)
+        return kernels.paged_partial_attention(
+            q,
+            q_pos,
+            cu_q,
+            k_cache,
+            v_cache,
+            pages.page_table,
+            pages.page_pos,
+            pages.page_len,
+            pages.cu_pages,
+            sm_scale,
+        )
+
+    def _pass_q_round(
+        self,
+        x: _DeviceExchange,
+        q: torch.Tensor,
+        k_shard: torch.Tensor,
+        v_shard: torch.Tensor,
+        sm_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partials of this lane's subset queries from every lane: ``[cp, m, Hq, D]``, ``[cp,
+        m, Hq]`` (``m = counts[lane]``, rows in ``my_rows`` order)."""
+        g = self.group
+        cp, me = g.world_size, g.rank
+        _, hq, d = q.shape
+        rows = q if x.my_rows is None else q.index_select(0, x.my_rows)
+        gathered = g.all_gather_rows(rows.contiguous(), x.counts)
+        q_sorted = gathered.index_select(0, x.sorted_to_gathered)
+        out, lse = self._attend(q_sorted, x.positions, x.cu_q, k_shard, v_shard, x.pages, sm_scale)
+        n = q_sorted.shape[0]
+        # out and lse travel together: one fp32 row of Hq * (D + 1) per query.
+        packed = torch.cat([out.reshape(n, hq * d), lse.float()], dim=1)
+        packed = packed.index_select(0, x.gathered_to_sorted)  # back to rank-major
+        m = x.counts[me]
+        recv = g.all_to_all_rows(list(packed.split(x.counts)), [m] * cp)
+        parts = torch.stack(recv)  # [cp, m, Hq * (D + 1)]
+        self.exchange_bytes += (sum(x.counts) - m) * rows.shape[1:].numel() * q.element_size()
+        self.exchange_bytes += (cp - 1) * m * hq * (d + 1) * 4
+        return parts[..., : hq * d].reshape(cp, m, hq, d), parts[..., hq * d :]
+
+    def _pass_kv(
+        self,
+        dp: _DevicePlan,
+        k_shard: torch.Tensor,
+        v_shard: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        g, plan = self.group, self.plan
+        counts = [int(c) for c in plan.lane_counts]
+        _, hkv, d = k.shape
+        kv = torch.stack([k, v], dim=1)  # [n_mine, 2, Hkv, D]: one gather for K and V
+        gathered = g.all_gather_rows(kv, counts)  # [T, 2, Hkv, D] rank-major
+        self.exchange_bytes += (sum(counts) - counts[g.rank]) * kv[0].numel() * kv.element_size()
+        ps = plan.page_size
+        n_new = dp.new_pages.num_pages
+        # NOTE: zeros, not empty: the kernel may read a page's slots past page_len (masked out),
+        # and garbage there could be NaN.
+        tmp = k.new_zeros((2, n_new * ps, hkv, d))
+        tmp.index_copy_(1, dp.new_rows, gathered.transpose(0, 1))
+        k_tmp, v_tmp = tmp[0].view(n_new, ps, hkv, d), tmp[1].view(n_new, ps, hkv, d)
+        out_new, lse_new = self._attend(
+            q, dp.my_positions, dp.my_cu_q, k_tmp, v_tmp, dp.new_pages, sm_scale
+        )
+        if dp.history is None:
+            return out_new
+        outs_h, lses_h = self._pass_q_round(dp.history, q, k_shard, v_shard, sm_scale)
+        if dp.history.my_rows is not None:  # some of my tokens have no history: -inf parts
+            cp, n = outs_h.shape[0], q.shape[0]
+            full_o = outs_h.new_zeros((cp, n, *outs_h.shape[2:]))
+            full_l = lses_h.new_full((cp, n, lses_h.shape[2]), float("-inf"))
+            full_o[:, dp.history.my_rows] = outs_h
+            full_l[:, dp.history.my_rows] = lses_h
+            outs_h, lses_h = full_o, full_l
+        outs = torch.cat([out_new[None], outs_h])
+        lses = torch.cat([lse_new[None], lses_h])
+        return kernels.merge_attn_states(outs, lses)[0]
+
+    # --- entry point ---
+
+    def forward(
+        self,
+        k_shard: torch.Tensor,
+        v_shard: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        """Store this lane's new K/V, exchange, and return its tokens' attention output.
+
+        A collective: every lane of the group calls it for the same step and layer.
+
+        Args:
+            k_shard, v_shard: ``[P, page_size, Hkv, D]`` this lane's shard for the layer
+                (written in place at ``plan.my_local_slots``).
+            q: ``[n_mine, Hq, D]`` queries of this lane's tokens (``plan.my_tokens`` order).
+            k, v: ``[n_mine, Hkv, D]`` their keys and values, dtype of the shard.
+            sm_scale: softmax scale.
+
+        Returns:
+            ``fp32 [n_mine, Hq, D]``: causal attention of each of this lane's tokens over its
+            whole sequence (cached prefix and this step's tokens up to its position).
+
+        Raises:
+            ValueError: shapes that do not match the plan or each other, a shard too small for
+                the plan's pages; the kernels' own checks.
+        """
+        self._check(k_shard, v_shard, q, k, v)
+        dp = self._device_plan(q.device)
+        self.exchange_bytes = 0
+        # (1) the owner writes its tokens' K/V once, in place; after this every lane's pages
+        # hold all their keys up to this step, since a page holds only its own lane's tokens.
+        kernels.store_kv(k.contiguous(), v.contiguous(), k_shard, v_shard, dp.my_local_slots)
+        # (2) exchange and attend.
+        mode = self._decide(q, k)
+        self.last_mode = mode
+        if mode == "pass_kv":
+            return self._pass_kv(dp, k_shard, v_shard, q, k, v, sm_scale)
+        outs, lses = self._pass_q_round(dp.pass_q, q, k_shard, v_shard, sm_scale)
+        if outs.shape[0] == 1:
+            return outs[0]
+        return kernels.merge_attn_states(outs, lses)[0]
+
+    __call__ = forward

@@ -1,0 +1,410 @@
+"""torch.distributed groups among the CP lanes of one pool, and the row collectives they use.
+
+One :class:`LaneGroup` per lane process: rank ``r`` is lane ``r``. It rendezvouses through a
+``TCPStore`` that rank 0 serves at ``host:port`` and initialises the process's default group on
+that store. A lane that restarts forces the whole group to be rebuilt: every member calls
+:meth:`LaneGroup.destroy` (idempotent) and then :meth:`LaneGroup.create` again with a fresh port,
+in the same process. Each incarnation gets a ``generation`` id that rank 0 draws and every
+member reads from the store, so members can check they joined the same group.
+
+Backends: NCCL when every lane has its own CUDA device; gloo otherwise (CPU lanes, and lanes
+sharing one GPU, which NCCL refuses). Gloo cannot gather CUDA tensors, so with gloo they are
+staged through host memory (and back).
+
+Loopback: when ``host`` is a loopback address, ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` /
+``TP_SOCKET_IFNAME`` are set to the loopback interface (unless already set), so the
+collectives' own sockets stay on this machine as the store does; otherwise gloo would bind the
+interface the hostname resolves to. On any other host they are left alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ipaddress
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LaneGroup", "choose_backend", "free_port"]
+
+_GENERATION_KEY = "cpkv/lane_group/generation"
+_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+# Probe sizes for measure(): a one-element gather for latency, ~1 MiB per rank for bandwidth.
+_PROBE_SMALL_REPS = 8
+_PROBE_LARGE_REPS = 3
+_PROBE_LARGE_BYTES = 1 << 20
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close).
+
+    Args:
+        host: the address to bind.
+
+    Returns:
+        The port number. Another process may take it before it is used (rare on loopback).
+    """
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def choose_backend(device_ids_per_lane: Sequence[str]) -> str:
+    """Pick the collective backend for lanes on these devices.
+
+    Args:
+        device_ids_per_lane: one id per lane naming its device uniquely across the pool, e.g.
+            ``"cpu"``, ``"cuda:3"``, a GPU UUID ``"GPU-…"``, or node-qualified
+            ``"<node>/cuda:0"``. Ids must be globally meaningful: inside a Ray actor
+            ``"cuda:0"`` is the actor's first *visible* GPU, so pass the physical id or UUID.
+            An id whose device part is ``"cpu"`` or starts with ``"cpu:"`` is a CPU lane; any
+            other id is a CUDA device.
+
+    Returns:
+        ``"nccl"`` when every lane has a CUDA device and no two lanes share one, else
+        ``"gloo"`` (CPU lanes; lanes packed on one GPU, which NCCL refuses).
+
+    Raises:
+        ValueError: no lanes, or an empty id.
+    """
+    ids = [str(d).strip() for d in device_ids_per_lane]
+    if not ids:
+        raise ValueError("device_ids_per_lane is empty")
+    if any(not d for d in ids):
+        raise ValueError(f"device_ids_per_lane holds an empty id: {ids}")
+
+    def is_cpu(d: str) -> bool:
+        dev = d.rsplit("/", 1)[-1].lower()
+        return dev == "cpu" or dev.startswith("cpu:")
+
+    if any(is_cpu(d) for d in ids) or len(set(ids)) != len(ids):
+        return "gloo"
+    return "nccl"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_ifname() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    for name in names:
+        if name == "lo" or name.startswith("lo"):
+            return name
+    return "lo"
+
+
+def _as_list(counts: Sequence[int], world_size: int, what: str) -> list[int]:
+    out = [int(c) for c in counts]
+    if len(out) != world_size:
+        raise ValueError(f"{what} has {len(out)} entries but world_size is {world_size}: {out}")
+    if any(c < 0 for c in out):
+        raise ValueError(f"{what} holds a negative count: {out}")
+    return out
+
+
+class LaneGroup:
+    """A collective group among the ``world_size`` lanes of one pool (this process is ``rank``).
+
+    Build with :meth:`create`. World size 1 needs no process group: the collectives return
+    their input. Lanes that have nothing to send still call every collective.
+
+    Attributes:
+        rank: this lane.
+        world_size: number of lanes.
+        backend: ``"gloo"``, ``"nccl"``, or ``"none"`` (world size 1).
+        generation: id of this incarnation, equal on every member.
+        device: where the probe tensors of :meth:`measure` live (and NCCL's staging target).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        backend: str,
+        generation: str,
+        device: torch.device,
+        store: dist.Store | None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.generation = generation
+        self.device = device
+        self._store = store
+        self._alive = True
+        self._link: dict[str, float] | None = None
+
+    @classmethod
+    def create(
+        cls,
+        rank: int,
+        world_size: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        *,
+        device: str | torch.device | None = None,
+    ) -> LaneGroup:
+        """Join (rank 0: serve) the rendezvous at ``host:port`` and build the group.
+
+        Every member calls this with the same ``world_size``, ``host``, ``port`` and
+        ``backend``; it returns once all have joined.
+
+        Args:
+            rank: this lane, in ``[0, world_size)``.
+            world_size: number of lanes.
+            host: address of rank 0's store (``127.0.0.1`` for a single machine).
+            port: the store's port (rank 0 binds it; use :func:`free_port`, a fresh one for
+                every rebuild). Ignored for world size 1.
+            backend: ``"gloo"`` or ``"nccl"`` (see :func:`choose_backend`).
+            timeout_s: rendezvous and collective timeout.
+            device: device of the probe tensors; default ``cuda`` (current) for NCCL, else CPU.
+
+        Returns:
+            The group.
+
+        Raises:
+            ValueError: bad rank / world size / backend / timeout.
+            RuntimeError: this process already has a default process group (one lane group
+                per process), or the rendezvous timed out.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r} must be 'gloo' or 'nccl'")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        if device is None:
+            device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+        device = torch.device(device)
+        if world_size == 1:
+            return cls(0, 1, "none", uuid.uuid4().hex, device, None)
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError(
+                "this process already has a default torch.distributed group; destroy the "
+                "previous LaneGroup (or the other user's group) first"
+            )
+        if _is_loopback(host):
+            ifname = _loopback_ifname()
+            for var in _IFNAME_VARS:
+                os.environ.setdefault(var, ifname)
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(
+            host, int(port), world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
+        )
+        if rank == 0:
+            store.set(_GENERATION_KEY, uuid.uuid4().hex)
+        generation = store.get(_GENERATION_KEY).decode()
+        kwargs = {}
+        if (
+            backend == "nccl"
+            and device.type == "cuda"
+            and "device_id" in inspect.signature(dist.init_process_group).parameters
+        ):
+            kwargs["device_id"] = (
+                device
+                if device.index is not None
+                else torch.device("cuda", torch.cuda.current_device())
+            )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
+        )
+        return cls(rank, world_size, backend, generation, device, store)
+
+    @property
+    def alive(self) -> bool:
+        """False once :meth:`destroy` ran."""
+        return self._alive
+
+    def destroy(self) -> None:
+        """Tear the group down (idempotent); the process can then :meth:`create` a new one."""
+        if not self._alive:
+            return
+        self._alive = False
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None  # rank 0's store server closes with the last reference
+
+    def __enter__(self) -> LaneGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        return (
+            f"LaneGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
+            f"generation={self.generation[:8]!r}, alive={self._alive})"
+        )
+
+    # --- collectives ---
+
+    def _check_alive(self) -> None:
+        if not self._alive:
+            raise RuntimeError(f"{self!r} was destroyed; create a new group")
+
+    def _comm_device(self, t: torch.Tensor) -> torch.device:
+        """Where ``t`` must be for the backend: gloo needs host memory, NCCL the lane's GPU."""
+        if self.backend == "gloo":
+            return torch.device("cpu")
+        if self.backend == "nccl" and t.device.type != "cuda":
+            return self.device
+        return t.device
+
+    def barrier(self) -> None:
+        """Wait for every member (no-op at world size 1)."""
+        self._check_alive()
+        if self.world_size > 1:
+            dist.barrier()
+
+    def all_gather_rows(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Gather a variable number of rows from every lane, rank-major.
+
+        Args:
+            x: ``[counts[rank], ...]`` this lane's rows; the trailing shape and dtype are the
+                same on every lane.
+            counts: rows of every lane (known to all, e.g. from the step plan; no metadata
+                travels).
+
+        Returns:
+            ``[sum(counts), ...]``: lane 0's rows, then lane 1's, ..., on ``x``'s device.
+
+        Raises:
+            ValueError: ``counts`` of the wrong length, negative, or not matching ``x``.
+        """
+        self._check_alive()
+        counts = _as_list(counts, self.world_size, "counts")
+        if x.shape[0] != counts[self.rank]:
+            raise ValueError(
+                f"all_gather_rows: x has {x.shape[0]} rows but counts[{self.rank}]="
+                f"{counts[self.rank]}"
+            )
+        if self.world_size == 1:
+            return x
+        top = max(counts)
+        if top == 0:  # every lane knows counts: all skip together
+            return x.new_empty((0, *x.shape[1:]))
+        where = self._comm_device(x)
+        buf = x.new_zeros((top, *x.shape[1:]), device=where)
+        buf[: x.shape[0]] = x
+        out = buf.new_empty((self.world_size * top, *x.shape[1:]))
+        gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather_single(out, buf)
+        out = out.view(self.world_size, top, *x.shape[1:])
+        if all(c == top for c in counts):
+            rows = out.reshape(-1, *x.shape[1:])
+        else:
+            rows = torch.cat([out[r, : counts[r]] for r in range(self.world_size)])
+        return rows.to(x.device)
+
+    def all_to_all_rows(
+        self, send: Sequence[torch.Tensor], recv_counts: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """Send ``send[r]`` to lane ``r`` and receive each lane's rows for this one.
+
+        Args:
+            send: ``world_size`` tensors ``[n_r, ...]`` (same trailing shape and dtype, one
+                device).
+            recv_counts: rows this lane receives from each lane.
+
+        Returns:
+            ``world_size`` tensors ``[recv_counts[r], ...]`` (from lane ``r``), on the send
+            tensors' device.
+
+        Raises:
+            ValueError: wrong number of tensors or counts, mismatched trailing shapes.
+        """
+        self._check_alive()
+        if len(send) != self.world_size:
+            raise ValueError(
+                f"all_to_all_rows: {len(send)} send tensors for world_size={self.world_size}"
+            )
+        recv_counts = _as_list(recv_counts, self.world_size, "recv_counts")
+        tail = tuple(send[0].shape[1:])
+        if any(tuple(s.shape[1:]) != tail for s in send):
+            raise ValueError(
+                f"all_to_all_rows: send shapes differ: {[tuple(s.shape) for s in send]}"
+            )
+        if self.world_size == 1:
+            if send[0].shape[0] != recv_counts[0]:
+                raise ValueError(
+                    f"all_to_all_rows: sending {send[0].shape[0]} rows to self but expecting "
+                    f"{recv_counts[0]}"
+                )
+            return [send[0]]
+        device = send[0].device
+        where = self._comm_device(send[0])
+        flat_in = torch.cat([s.to(where) for s in send]).contiguous()
+        out = flat_in.new_empty((sum(recv_counts), *tail))
+        dist.all_to_all_single(
+            out,
+            flat_in,
+            output_split_sizes=recv_counts,
+            input_split_sizes=[int(s.shape[0]) for s in send],
+        )
+        return list(out.to(device).split(recv_counts))
+
+    # --- link probe ---
+
+    def measure(self) -> dict[str, float]:
+        """Latency and bandwidth of this group's all-gather, measured once and cached.
+
+        A collective: every member calls it at the same point (the first ``auto`` attention
+        does). Each member times a one-element gather (latency) and a ~1 MiB-per-rank gather
+        (bytes received per second per lane); the members then share their numbers and all
+        take the worst (largest latency, smallest bandwidth), so every lane holds the same
+        values and makes the same decisions from them.
+
+        Returns:
+            ``{"latency_s": float, "bytes_per_s": float}``; at world size 1 ``0`` and ``inf``.
+        """
+        self._check_alive()
+        if self._link is not None:
+            return dict(self._link)
+        if self.world_size == 1:
+            self._link = {"latency_s": 0.0, "bytes_per_s": float("inf")}
+            return dict(self._link)
+        ws = self.world_size
+
+        def timed(x: torch.Tensor, reps: int) -> float:
+            self.all_gather_rows(x, [x.shape[0]] * ws)  # warm-up (connections, allocators)
+            self._sync()
+            start = time.perf_counter()
+            for _ in range(reps):
+                self.all_gather_rows(x, [x.shape[0]] * ws)
+            self._sync()
+            return (time.perf_counter() - start) / reps
+
+        small = torch.zeros(1, 1, dtype=torch.float32, device=self.device)
+        latency = timed(small, _PROBE_SMALL_REPS)
+        large = torch.zeros(_PROBE_LARGE_BYTES // 4 // 256, 256, device=self.device)
+        t_large = timed(large, _PROBE_LARGE_REPS)
+        received = (ws - 1) * large.numel() * 4
+        bandwidth = received / max(t_large - latency, 1e-9)
+        mine = torch.tensor([[latency, bandwidth]], dtype=torch.float64, device=self.device)
+        everyone = self.all_gather_rows(mine, [1] * ws).cpu()
+        self._link = {
+            "latency_s": float(everyone[:, 0].max()),
+            "bytes_per_s": float(everyone[:, 1].min()),
+        }
+        return dict(self._link)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
