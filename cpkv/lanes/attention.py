@@ -135,7 +135,7 @@ class _DevicePlan:
 
 
 def _t(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    return torch.from_numpy(np.array(a, copy=True)).to(device)  # plan arrays are read-only
 
 
 def _table(t: PageTable, device: torch.device) -> _DeviceTable:
@@ -345,7 +345,9 @@ class CPAttention:
         _, hkv, d = k.shape
         kv = torch.stack([k, v], dim=1)  # [n_mine, 2, Hkv, D]: one gather for K and V
         gathered = g.all_gather_rows(kv, counts)  # [T, 2, Hkv, D] rank-major
-        self.exchange_bytes += (sum(counts) - counts[g.rank]) * kv[0].numel() * kv.element_size()
+        self.exchange_bytes += (
+            (sum(counts) - counts[g.rank]) * kv.shape[1:].numel() * kv.element_size()
+        )
         ps = plan.page_size
         n_new = dp.new_pages.num_pages
         # NOTE: zeros, not empty: the kernel may read a page's slots past page_len (masked out),

@@ -1,0 +1,464 @@
+"""CP attention on the lanes vs single-device attention: plan, groups, both exchange modes.
+
+Multi-lane cases run in processes spawned with torch.multiprocessing (no Ray), gloo on
+127.0.0.1, one spawned group per world size running every case, so the file stays fast. Each
+lane builds its shard as earlier steps would have left it (the cached prefix written at its
+slots, unused pages filled with NaN so a stray read or write shows), runs
+:class:`cpkv.lanes.attention.CPAttention` on the tokens it owns, and checks its outputs against
+``scaled_dot_product_attention`` over the whole sequence (fp32, causal) and its shard against
+the K/V every position of its pages must hold. World size 1 runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from cpkv.lanes.attention import MODES, CPAttention, exchange_costs
+from cpkv.lanes.comm import LaneGroup, choose_backend, free_port
+from cpkv.lanes.step import StepPlan, StepRequest
+from cpkv.owners import build_owner_plan
+
+HQ, HKV, D = 4, 2, 8
+SCALE = D**-0.5
+PAGE_SIZES = (4, 16)
+GROUP_TIMEOUT_S = 60.0
+
+
+# --- cases (built in the parent, pickled to the lanes) ---
+
+
+@dataclass(frozen=True)
+class Case:
+    """One step: requests ``(prefix_len, extend_len)`` with their global pages."""
+
+    name: str
+    cp: int
+    page_size: int
+    mode: str
+    lens: tuple[tuple[int, int], ...]
+    pages: tuple[tuple[int, ...], ...]
+    pages_per_lane: int
+    seed: int
+    dtype: str = "float32"
+
+    def requests(self) -> list[StepRequest]:
+        return [
+            StepRequest(p, e, np.array(pg, dtype=np.int32))
+            for (p, e), pg in zip(self.lens, self.pages, strict=True)
+        ]
+
+
+def assign_pages(
+    cp: int, ps: int, lens: list[tuple[int, int]], rng: np.random.Generator
+) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """Plausible global pages: the cached prefix's pages on arbitrary lanes; the new pages by
+    the zigzag owner plan when one exists (single long extend), in rotation otherwise; local
+    ids distinct per lane, shuffled, never the reserved page 0."""
+    total = sum(-(-(p + e) // ps) for p, e in lens)
+    pages_per_lane = total + 4
+    free = [list(rng.permutation(np.arange(1, pages_per_lane))) for _ in range(cp)]
+    out = []
+    for p, e in lens:
+        n_prefix = -(-p // ps)
+        n_new = -(-(p + e) // ps) - n_prefix
+        lanes = [int(x) for x in rng.integers(0, cp, n_prefix)]
+        plan = build_owner_plan(e, p, ps, cp) if len(lens) == 1 else None
+        if plan is not None:
+            assert plan.num_pages == n_new
+            lanes += [int(x) for x in plan.page_owners]
+        else:
+            start = int(rng.integers(0, cp))
+            lanes += [(start + i) % cp for i in range(n_new)]
+        out.append(tuple(int(free[lane].pop()) * cp + lane for lane in lanes))
+    return tuple(out), pages_per_lane
+
+
+def scenarios(cp: int, ps: int) -> dict[str, list[tuple[int, int]]]:
+    """Step shapes; lengths are neither multiples of the page size nor of ``2 * cp``."""
+    return {
+        # one long fresh prefill: zigzag owners when cp >= 2
+        "fresh_long": [(0, (2 * cp + 1) * ps + 3)],
+        # cached page-aligned prefix on arbitrary lanes + a zigzag extend
+        "prefix_aligned": [(3 * ps, 2 * cp * ps + 5)],
+        # chunked continuation: the prefix ends mid-page, the step fills that page first
+        "chunk_midpage": [(2 * ps + 3, 3 * ps + 1)],
+        # a batch with different prefix lengths (none, mid-page, aligned, short)
+        "batch": [(0, ps + 3), (ps + 1, 5), (2 * ps, 2 * ps + 1), (7, 1)],
+        # decode: one token per request
+        "decode": [(5, 1), (ps, 1), (3 * ps + 2, 1), (0, 1), (1, 1)],
+        # one short request: most lanes own no token and hold no key of it
+        "tiny": [(0, 3)],
+        "tiny_decode": [(2, 1)],
+    }
+
+
+def build_cases(cp: int) -> list[Case]:
+    cases = []
+    seed = 1000 * cp
+    for ps in PAGE_SIZES:
+        for name, lens in scenarios(cp, ps).items():
+            for mode in MODES:
+                seed += 1
+                rng = np.random.default_rng(seed)
+                pages, per_lane = assign_pages(cp, ps, lens, rng)
+                cases.append(Case(name, cp, ps, mode, tuple(lens), pages, per_lane, seed))
+    # one bf16 case per mode: the exchanges carry the shard's dtype
+    for mode in MODES:
+        seed += 1
+        lens = scenarios(cp, 4)["batch"]
+        pages, per_lane = assign_pages(cp, 4, lens, np.random.default_rng(seed))
+        cases.append(
+            Case("batch_bf16", cp, 4, mode, tuple(lens), pages, per_lane, seed, "bfloat16")
+        )
+    return cases
+
+
+# --- what one lane does for one case ---
+
+
+def sequence_qkv(case: Case, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[S, HQ, D]``, k and v ``[S, HKV, D]`` of request ``b`` at every position: a
+    deterministic function of (case, request, position), so each lane can build its part."""
+    s = sum(case.lens[b])
+    g = torch.Generator().manual_seed(case.seed * 100 + b)
+    dtype = getattr(torch, case.dtype)
+    q = torch.randn(s, HQ, D, generator=g).to(dtype)
+    k = torch.randn(s, HKV, D, generator=g).to(dtype)
+    v = torch.randn(s, HKV, D, generator=g).to(dtype)
+    return q, k, v
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal fp32 attention over the whole sequence on one device: ``[S, HQ, D]``."""
+    rep = HQ // HKV
+    qf = q.float().transpose(0, 1)[None]
+    kf = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)[None]
+    vf = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)[None]
+    out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=SCALE)
+    return out[0].transpose(0, 1)
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor, tol: float, dtype: torch.dtype) -> str | None:
+    """What differs between ``got`` and ``want`` (NaN must match NaN), or ``None``.
+
+    NOTE: not torch.testing.assert_close: its first call imports torch.distributed.tensor,
+    over a second in every spawned lane.
+    """
+    if got.dtype != dtype or got.shape != want.shape:
+        return f"got {got.dtype} {tuple(got.shape)}, want {dtype} {tuple(want.shape)}"
+    g, w = got.float(), want.float()
+    nan_g, nan_w = torch.isnan(g), torch.isnan(w)
+    if not torch.equal(nan_g, nan_w):
+        return f"NaN at {int((nan_g != nan_w).sum())} elements where the other side has none"
+    err = (g - w).abs().masked_fill(nan_w, 0)
+    bad = err > tol + tol * w.abs().masked_fill(nan_w, 0)
+    if bool(bad.any()):
+        return f"{int(bad.sum())}/{bad.numel()} elements differ, max abs diff {float(err.max())}"
+    return None
+
+
+def run_case(group: LaneGroup, case: Case) -> dict:
+    """Run one case on this lane; return what it saw (mismatches as strings, so every lane
+    finishes the case's collectives and the parent sees all of them)."""
+    lane, cp, ps = group.rank, case.cp, case.page_size
+    dtype = getattr(torch, case.dtype)
+    plan = StepPlan.build(case.requests(), cp, ps, lane)
+    seqs = [sequence_qkv(case, b) for b in range(len(case.lens))]
+
+    # Shards as earlier steps left them: pages of this step's requests zero, then the cached
+    # prefix at its slots; every other page (the reserved one included) NaN.
+    shape = (case.pages_per_lane, ps, HKV, D)
+    k_shard = torch.full(shape, float("nan"), dtype=dtype)
+    v_shard = torch.full(shape, float("nan"), dtype=dtype)
+    expect_k, expect_v = k_shard.clone(), v_shard.clone()
+    for b, ((prefix, ext), pages) in enumerate(zip(case.lens, case.pages, strict=True)):
+        for i, g in enumerate(pages):
+            if g % cp != lane:
+                continue
+            local = g // cp
+            for shard in (k_shard, v_shard, expect_k, expect_v):
+                shard[local] = 0
+            hi = min(ps, prefix + ext - i * ps)
+            expect_k[local, :hi] = seqs[b][1][i * ps : i * ps + hi]
+            expect_v[local, :hi] = seqs[b][2][i * ps : i * ps + hi]
+            hi = min(ps, max(0, prefix - i * ps))
+            k_shard[local, :hi] = seqs[b][1][i * ps : i * ps + hi]
+            v_shard[local, :hi] = seqs[b][2][i * ps : i * ps + hi]
+
+    reqs = plan.token_request[plan.my_tokens].tolist()
+    pos = plan.my_positions.tolist()
+    n = len(pos)
+    q = torch.stack([seqs[b][0][p] for b, p in zip(reqs, pos, strict=True)]) if n else None
+    k = torch.stack([seqs[b][1][p] for b, p in zip(reqs, pos, strict=True)]) if n else None
+    v = torch.stack([seqs[b][2][p] for b, p in zip(reqs, pos, strict=True)]) if n else None
+    if n == 0:
+        q = torch.zeros(0, HQ, D, dtype=dtype)
+        k = torch.zeros(0, HKV, D, dtype=dtype)
+        v = torch.zeros(0, HKV, D, dtype=dtype)
+
+    errors: list[str] = []
+    attn = CPAttention(group, plan, case.mode)
+    # NOTE: an exception here propagates: the other lanes would now wait in (or mismatch)
+    # collectives, so the lane process must end and mp.spawn report its traceback.
+    out = attn.forward(k_shard, v_shard, q, k, v, SCALE)
+
+    refs = [reference(*s) for s in seqs]
+    want = torch.stack([refs[b][p] for b, p in zip(reqs, pos, strict=True)]) if n else out
+    tol = 1e-5 if case.dtype == "float32" else 2e-2
+    for what, got, exp, t in (
+        ("output", out, want, tol),
+        ("k_shard", k_shard, expect_k, 0.0),
+        ("v_shard", v_shard, expect_v, 0.0),
+    ):
+        problem = mismatch(got, exp, t, torch.float32 if what == "output" else dtype)
+        if problem:
+            errors.append(f"{what}: {problem}")
+    for b in range(len(case.lens)):
+        if int(plan.last_token_owner[b]) == lane:
+            i = int(plan.last_token_index[b])
+            if (reqs[i], pos[i]) != (b, sum(case.lens[b]) - 1):
+                errors.append(f"last token of request {b}: row {i} is {(reqs[i], pos[i])}")
+    return {
+        "case": case,
+        "errors": errors,
+        "mode": attn.last_mode,
+        "bytes": attn.exchange_bytes,
+        "n": n,
+    }
+
+
+def summary(result: dict) -> dict:
+    c: Case = result["case"]
+    return {
+        "id": f"{c.name}/ps{c.page_size}/{c.mode}",
+        "name": c.name,
+        "mode": c.mode,
+        "errors": result["errors"],
+        "last_mode": result["mode"],
+        "bytes": result["bytes"],
+        "n": result["n"],
+    }
+
+
+def lane_main(rank: int, world_size: int, ports: tuple[int, int], out_dir: str) -> None:
+    """A spawned lane: every case, then a rebuilt group (new port) and one case again."""
+    if not torch.cuda.is_available():
+        # NOTE: these tests check the exchange; the kernels are checked against their references
+        # in test_kernels.py. Interpreted Triton (set there for CPU runs) would be slow here.
+        os.environ.pop("TRITON_INTERPRET", None)
+    torch.set_num_threads(1)
+    report: dict = {"rank": rank, "results": [], "fatal": None}
+    try:
+        cases = build_cases(world_size)
+        group = LaneGroup.create(rank, world_size, "127.0.0.1", ports[0], "gloo", GROUP_TIMEOUT_S)
+        report["generation"] = [group.generation]
+        report["backend"] = group.backend
+        report["link"] = group.measure()
+        for case in cases:
+            report["results"].append(summary(run_case(group, case)))
+        group.destroy()
+        group.destroy()  # idempotent
+        group = LaneGroup.create(rank, world_size, "127.0.0.1", ports[1], "gloo", GROUP_TIMEOUT_S)
+        report["generation"].append(group.generation)
+        for case in cases[:3]:
+            r = summary(run_case(group, case))
+            r["id"] = "rebuilt/" + r["id"]
+            report["results"].append(r)
+        group.destroy()
+    except Exception:
+        report["fatal"] = traceback.format_exc()
+        raise  # mp.spawn ends the other lanes and raises this traceback in the test
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def check_reports(reports: list[dict], world_size: int) -> None:
+    fatal = [r["fatal"] for r in reports if r["fatal"]]
+    assert not fatal, "\n".join(fatal)
+    failures = [
+        f"lane {r['rank']} {res['id']}: {err}"
+        for r in reports
+        for res in r["results"]
+        for err in res["errors"]
+    ]
+    assert not failures, "\n".join(failures[:20])
+    gens = [r["generation"] for r in reports]
+    assert all(g == gens[0] for g in gens), gens  # every lane joined the same group
+    assert gens[0][0] != gens[0][1]  # the rebuilt group is a new incarnation
+    by_id = [{res["id"]: res for res in r["results"]} for r in reports]
+    for cid, res in by_id[0].items():
+        modes = {lane[cid]["last_mode"] for lane in by_id}
+        assert len(modes) == 1, f"{cid}: lanes chose different modes {modes}"
+        want = res["mode"] if res["mode"] != "auto" else modes.pop()
+        assert res["last_mode"] == want
+    cases = {f"{c.name}/ps{c.page_size}/{c.mode}": c for c in build_cases(world_size)}
+    for cid, c in cases.items():
+        assert sum(lane[cid]["n"] for lane in by_id) == sum(e for _, e in c.lens), cid
+        if c.mode == "auto" and world_size > 1:
+            # no history: pass-KV moves fewer bytes in fewer collectives (GQA, Hkv < Hq)
+            if all(p == 0 for p, _ in c.lens):
+                assert by_id[0][cid]["last_mode"] == "pass_kv", cid
+            # every request has history: pass-KV would add a K/V gather to the same pass-Q
+            if all(p > 0 for p, _ in c.lens):
+                assert by_id[0][cid]["last_mode"] == "pass_q", cid
+        if world_size > 1 and c.mode != "auto":
+            assert any(lane[cid]["bytes"] > 0 for lane in by_id), cid
+    if world_size > 1:
+        # a tiny request: the lanes that own none of its tokens still took part
+        assert any(lane["tiny/ps16/pass_q"]["n"] == 0 for lane in by_id)
+
+
+# --- tests ---
+
+
+def test_world_size_1_in_process() -> None:
+    group = LaneGroup.create(0, 1)
+    assert group.backend == "none"
+    assert group.measure() == {"latency_s": 0.0, "bytes_per_s": float("inf")}
+    results = [summary(run_case(group, c)) for c in build_cases(1)]
+    failures = [f"{r['id']}: {e}" for r in results for e in r["errors"]]
+    assert not failures, "\n".join(failures)
+    assert all(r["bytes"] == 0 for r in results)
+    group.destroy()
+    group.destroy()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_lanes_match_single_device(world_size: int, tmp_path: Path) -> None:
+    ports = (free_port(), free_port())
+    mp.spawn(lane_main, args=(world_size, ports, str(tmp_path)), nprocs=world_size, join=True)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    check_reports(reports, world_size)
+
+
+# --- plan, cost model and backend choice (no processes) ---
+
+
+def test_step_plan_matches_a_direct_walk() -> None:
+    rng = np.random.default_rng(7)
+    cp, ps = 3, 4
+    lens = [(0, 9), (6, 7), (4, 1), (13, 2)]
+    pages, _ = assign_pages(cp, ps, lens, rng)
+    reqs = [StepRequest(p, e, np.array(pg)) for (p, e), pg in zip(lens, pages, strict=True)]
+    plans = [StepPlan.build(reqs, cp, ps, lane) for lane in range(cp)]
+    tokens = [(b, p) for b, (pre, e) in enumerate(lens) for p in range(pre, pre + e)]
+    for lane, plan in enumerate(plans):
+        assert np.array_equal(plan.token_owner, plans[0].token_owner)
+        assert np.array_equal(plan.gather_order, plans[0].gather_order)
+        mine = [t for t, (b, p) in enumerate(tokens) if pages[b][p // ps] % cp == lane]  # ascending
+        assert plan.my_tokens.tolist() == mine
+        assert plan.my_positions.tolist() == [tokens[t][1] for t in mine]
+        assert plan.my_local_slots.dtype == np.int64
+        assert plan.my_local_slots.tolist() == [
+            pages[tokens[t][0]][tokens[t][1] // ps] // cp * ps + tokens[t][1] % ps for t in mine
+        ]
+        for b, (pre, e) in enumerate(lens):
+            on_lane = [(i, g) for i, g in enumerate(pages[b]) if g % cp == lane]
+            a = plan.all_pages
+            s = slice(a.cu_pages[b], a.cu_pages[b + 1])
+            assert a.page_table[s].tolist() == [g // cp for _, g in on_lane]
+            assert a.page_pos[s].tolist() == [i * ps for i, _ in on_lane]
+            assert a.page_len[s].tolist() == [min(ps, pre + e - i * ps) for i, _ in on_lane]
+            h = plan.history_pages
+            s = slice(h.cu_pages[b], h.cu_pages[b + 1])
+            hist = [(i, g) for i, g in on_lane if i * ps < pre]
+            assert h.page_table[s].tolist() == [g // cp for _, g in hist]
+            assert h.page_len[s].tolist() == [min(ps, pre - i * ps) for i, _ in hist]
+            last = tokens.index((b, pre + e - 1))
+            owner = int(plan.last_token_owner[b])
+            assert owner == pages[b][(pre + e - 1) // ps] % cp
+            assert plans[owner].my_tokens[plan.last_token_index[b]] == last
+    assert plans[0].all_pages.page_table.dtype == np.int32
+    assert plans[0].all_pages.page_len.dtype == np.int32
+    assert plans[0].history is not None and plans[0].num_history_tokens == 10
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(prefix_len=-1, extend_len=1, pages=[5]), "prefix_len=-1"),
+        (dict(prefix_len=0, extend_len=0, pages=[5]), "extend_len=0"),
+        (dict(prefix_len=1.5, extend_len=1, pages=[5]), "prefix_len=1.5"),
+        (dict(prefix_len=0, extend_len=1, pages=[[5]]), "1-D"),
+        (dict(prefix_len=0, extend_len=1, pages=[-3]), "negative page id -3"),
+        (dict(prefix_len=0, extend_len=1, pages=[1.0]), "integers"),
+    ],
+)
+def test_step_request_rejects(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StepRequest(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("reqs", "cp", "ps", "lane", "match"),
+    [
+        ([StepRequest(0, 5, np.array([4]))], 2, 4, 0, "needs 2 pages"),
+        ([StepRequest(0, 3, np.array([1]))], 2, 4, 0, r"page ids \[1\].*reserved"),
+        (
+            [StepRequest(0, 3, np.array([4])), StepRequest(0, 3, np.array([4]))],
+            2,
+            4,
+            0,
+            r"page ids \[4\] appear more than once",
+        ),
+        ([StepRequest(0, 3, np.array([4]))], 2, 4, 2, "lane=2"),
+        ([], 2, 4, 0, "at least one request"),
+        ([StepRequest(0, 3, np.array([4]))], 0, 4, 0, "cp_size=0"),
+    ],
+)
+def test_step_plan_rejects(reqs: list, cp: int, ps: int, lane: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StepPlan.build(reqs, cp, ps, lane)
+
+
+def test_exchange_costs_follow_the_model() -> None:
+    fresh = StepPlan.build([StepRequest(0, 8, np.array([2, 3]))], 2, 4, 0)
+    costs = exchange_costs(fresh, HQ, HKV, D, 4, 4, latency_s=1e-4, bytes_per_s=1e9)
+    rows = 4  # busiest lane's tokens; (cp - 1) * rows rows arrive from the other lane
+    assert costs["pass_q"] == pytest.approx(2e-4 + rows * (HQ * D * 4 + HQ * (D + 1) * 4) / 1e9)
+    assert costs["pass_kv"] == pytest.approx(1e-4 + rows * 2 * HKV * D * 4 / 1e9)
+    decode = StepPlan.build([StepRequest(9, 1, np.array([2, 3, 4]))], 2, 4, 0)
+    costs = exchange_costs(decode, HQ, HKV, D, 4, 4, latency_s=1e-4, bytes_per_s=1e9)
+    assert costs["pass_kv"] > costs["pass_q"]
+    one = StepPlan.build([StepRequest(0, 8, np.array([1, 2]))], 1, 4, 0)
+    assert exchange_costs(one, HQ, HKV, D, 4, 4, 1e-4, 1e9) == {"pass_q": 0.0, "pass_kv": 0.0}
+
+
+def test_choose_backend() -> None:
+    assert choose_backend(["cuda:0", "cuda:1"]) == "nccl"
+    assert choose_backend(["n1/cuda:0", "n2/cuda:0"]) == "nccl"
+    assert choose_backend(["cuda:0", "cuda:0"]) == "gloo"  # two lanes on one GPU
+    assert choose_backend(["cpu", "cpu"]) == "gloo"
+    assert choose_backend(["cuda:0", "cpu"]) == "gloo"
+    with pytest.raises(ValueError, match="empty"):
+        choose_backend([])
+
+
+def test_cp_attention_rejects_mismatches() -> None:
+    group = LaneGroup.create(0, 1)
+    plan = StepPlan.build([StepRequest(0, 3, np.array([2]))], 1, 4, 0)
+    with pytest.raises(ValueError, match="mode="):
+        CPAttention(group, plan, "ring")
+    other = StepPlan.build([StepRequest(0, 3, np.array([2]))], 2, 4, 0)
+    with pytest.raises(ValueError, match="does not match group"):
+        CPAttention(group, other)
+    attn = CPAttention(group, plan, "pass_q")
+    shard = torch.zeros(2, 4, HKV, D)
+    with pytest.raises(ValueError, match="owns 3 tokens"):
+        attn.forward(shard, shard.clone(), torch.zeros(2, HQ, D), *[torch.zeros(2, HKV, D)] * 2, 1)
+    with pytest.raises(ValueError, match="local page 2"):
+        attn.forward(shard, shard.clone(), torch.zeros(3, HQ, D), *[torch.zeros(3, HKV, D)] * 2, 1)
+    destroyed = LaneGroup.create(0, 1)
+    destroyed.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        destroyed.all_gather_rows(torch.zeros(1), [1])
