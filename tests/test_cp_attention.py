@@ -6,7 +6,8 @@ lane builds its shard as earlier steps would have left it (the cached prefix wri
 slots, unused pages filled with NaN so a stray read or write shows), runs
 :class:`cpkv.lanes.attention.CPAttention` on the tokens it owns, and checks its outputs against
 ``scaled_dot_product_attention`` over the whole sequence (fp32, causal) and its shard against
-the K/V every position of its pages must hold. World size 1 runs in this process.
+the K/V every position of its pages must hold. World size 1 runs in this process. With a
+GPU, every lane's shards and tensors are CUDA tensors on it (gloo stages them through the host).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ HQ, HKV, D = 4, 2, 8
 SCALE = D**-0.5
 PAGE_SIZES = (4, 16)
 GROUP_TIMEOUT_S = 60.0
+# With a GPU every lane's tensors live on it (lanes share it: gloo, staged through host memory).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # --- cases (built in the parent, pickled to the lanes) ---
@@ -210,7 +213,9 @@ def run_case(group: LaneGroup, case: Case) -> dict:
     attn = CPAttention(group, plan, case.mode)
     # NOTE: an exception here propagates: the other lanes would now wait in (or mismatch)
     # collectives, so the lane process must end and mp.spawn report its traceback.
-    out = attn.forward(k_shard, v_shard, q, k, v, SCALE)
+    on = [t.to(DEVICE) for t in (k_shard, v_shard, q, k, v)]
+    out = attn.forward(*on, SCALE)
+    k_shard, v_shard, out = on[0].cpu(), on[1].cpu(), out.cpu()
 
     refs = [reference(*s) for s in seqs]
     want = torch.stack([refs[b][p] for b, p in zip(reqs, pos, strict=True)]) if n else out
@@ -250,31 +255,41 @@ def summary(result: dict) -> dict:
     }
 
 
-def lane_main(rank: int, world_size: int, ports: tuple[int, int], out_dir: str) -> None:
-    """A spawned lane: every case, then a rebuilt group (new port) and one case again."""
+# Groups the same 4 spawned lanes form one after another: every world size, then a rebuild at
+# 4 on a fresh port (a restarted lane forces this). Lanes outside a smaller group sit it out.
+PHASES = (4, 3, 2, 4)
+MAX_LANES = max(PHASES)
+
+
+def lane_main(rank: int, ports: list[int], out_dir: str) -> None:
+    """A spawned lane: for each phase it belongs to, create the group, run every case (the
+    rebuilt group: the first few), destroy it; write what it saw to ``rank<r>.json``."""
     if not torch.cuda.is_available():
         # NOTE: these tests check the exchange; the kernels are checked against their references
         # in test_kernels.py. Interpreted Triton (set there for CPU runs) would be slow here.
         os.environ.pop("TRITON_INTERPRET", None)
     torch.set_num_threads(1)
-    report: dict = {"rank": rank, "results": [], "fatal": None}
+    report: dict = {"rank": rank, "phases": [], "fatal": None}
     try:
-        cases = build_cases(world_size)
-        group = LaneGroup.create(rank, world_size, "127.0.0.1", ports[0], "gloo", GROUP_TIMEOUT_S)
-        report["generation"] = [group.generation]
-        report["backend"] = group.backend
-        report["link"] = group.measure()
-        for case in cases:
-            report["results"].append(summary(run_case(group, case)))
-        group.destroy()
-        group.destroy()  # idempotent
-        group = LaneGroup.create(rank, world_size, "127.0.0.1", ports[1], "gloo", GROUP_TIMEOUT_S)
-        report["generation"].append(group.generation)
-        for case in cases[:3]:
-            r = summary(run_case(group, case))
-            r["id"] = "rebuilt/" + r["id"]
-            report["results"].append(r)
-        group.destroy()
+        for i, (world_size, port) in enumerate(zip(PHASES, ports, strict=True)):
+            if rank >= world_size:
+                report["phases"].append(None)
+                continue
+            group = LaneGroup.create(rank, world_size, "127.0.0.1", port, "gloo", GROUP_TIMEOUT_S)
+            phase = {
+                "world_size": world_size,
+                "generation": group.generation,
+                "backend": group.backend,
+                "link": group.measure(),
+                "results": [],
+            }
+            report["phases"].append(phase)
+            cases = build_cases(world_size)
+            for case in cases if i < len(PHASES) - 1 else cases[:4]:
+                phase["results"].append(summary(run_case(group, case)))
+            group.destroy()
+            group.destroy()  # idempotent
+            phase["alive_after_destroy"] = group.alive
     except Exception:
         report["fatal"] = traceback.format_exc()
         raise  # mp.spawn ends the other lanes and raises this traceback in the test
@@ -282,40 +297,51 @@ def lane_main(rank: int, world_size: int, ports: tuple[int, int], out_dir: str) 
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
-def check_reports(reports: list[dict], world_size: int) -> None:
+@pytest.fixture(scope="module")
+def lane_reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Spawn the lanes once for the module; their reports, one per rank."""
+    out = tmp_path_factory.mktemp("lanes")
+    ports = [free_port() for _ in PHASES]
+    mp.spawn(lane_main, args=(ports, str(out)), nprocs=MAX_LANES, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(MAX_LANES)]
+
+
+def phase_of(reports: list[dict], index: int) -> list[dict]:
+    """The members' reports of one phase (rank order)."""
     fatal = [r["fatal"] for r in reports if r["fatal"]]
     assert not fatal, "\n".join(fatal)
+    return [r["phases"][index] for r in reports if r["phases"][index] is not None]
+
+
+def check_phase(lanes: list[dict], world_size: int) -> None:
+    assert len(lanes) == world_size
     failures = [
-        f"lane {r['rank']} {res['id']}: {err}"
-        for r in reports
-        for res in r["results"]
+        f"lane {rank} {res['id']}: {err}"
+        for rank, lane in enumerate(lanes)
+        for res in lane["results"]
         for err in res["errors"]
     ]
     assert not failures, "\n".join(failures[:20])
-    gens = [r["generation"] for r in reports]
-    assert all(g == gens[0] for g in gens), gens  # every lane joined the same group
-    assert gens[0][0] != gens[0][1]  # the rebuilt group is a new incarnation
-    by_id = [{res["id"]: res for res in r["results"]} for r in reports]
-    for cid, res in by_id[0].items():
+    assert len({lane["generation"] for lane in lanes}) == 1  # every lane joined the same group
+    assert all(lane["backend"] == "gloo" and not lane["alive_after_destroy"] for lane in lanes)
+    assert all(lane["link"] == lanes[0]["link"] for lane in lanes)  # agreed link numbers
+    by_id = [{res["id"]: res for res in lane["results"]} for lane in lanes]
+    cases = {f"{c.name}/ps{c.page_size}/{c.mode}": c for c in build_cases(world_size)}
+    for cid in by_id[0]:
+        c = cases[cid]
         modes = {lane[cid]["last_mode"] for lane in by_id}
         assert len(modes) == 1, f"{cid}: lanes chose different modes {modes}"
-        want = res["mode"] if res["mode"] != "auto" else modes.pop()
-        assert res["last_mode"] == want
-    cases = {f"{c.name}/ps{c.page_size}/{c.mode}": c for c in build_cases(world_size)}
-    for cid, c in cases.items():
+        mode = modes.pop()
+        assert mode == c.mode or c.mode == "auto", cid
         assert sum(lane[cid]["n"] for lane in by_id) == sum(e for _, e in c.lens), cid
-        if c.mode == "auto" and world_size > 1:
+        if c.mode == "auto":
             # no history: pass-KV moves fewer bytes in fewer collectives (GQA, Hkv < Hq)
             if all(p == 0 for p, _ in c.lens):
-                assert by_id[0][cid]["last_mode"] == "pass_kv", cid
+                assert mode == "pass_kv", cid
             # every request has history: pass-KV would add a K/V gather to the same pass-Q
             if all(p > 0 for p, _ in c.lens):
-                assert by_id[0][cid]["last_mode"] == "pass_q", cid
-        if world_size > 1 and c.mode != "auto":
-            assert any(lane[cid]["bytes"] > 0 for lane in by_id), cid
-    if world_size > 1:
-        # a tiny request: the lanes that own none of its tokens still took part
-        assert any(lane["tiny/ps16/pass_q"]["n"] == 0 for lane in by_id)
+                assert mode == "pass_q", cid
+        assert any(lane[cid]["bytes"] > 0 for lane in by_id), cid
 
 
 # --- tests ---
@@ -334,11 +360,21 @@ def test_world_size_1_in_process() -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_lanes_match_single_device(world_size: int, tmp_path: Path) -> None:
-    ports = (free_port(), free_port())
-    mp.spawn(lane_main, args=(world_size, ports, str(tmp_path)), nprocs=world_size, join=True)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
-    check_reports(reports, world_size)
+def test_lanes_match_single_device(world_size: int, lane_reports: list[dict]) -> None:
+    lanes = phase_of(lane_reports, PHASES.index(world_size))
+    check_phase(lanes, world_size)
+    by_id = [{res["id"]: res for res in lane["results"]} for lane in lanes]
+    # a tiny request: the lanes that own none of its tokens still took part
+    assert any(lane["tiny/ps16/pass_q"]["n"] == 0 for lane in by_id)
+
+
+def test_group_rebuilt_in_the_same_processes(lane_reports: list[dict]) -> None:
+    first, rebuilt = phase_of(lane_reports, 0), phase_of(lane_reports, len(PHASES) - 1)
+    check_phase(rebuilt, PHASES[-1])
+    assert len(rebuilt[0]["results"]) == 4
+    generations = {phase_of(lane_reports, i)[0]["generation"] for i in range(len(PHASES))}
+    assert len(generations) == len(PHASES)  # each incarnation has its own id
+    assert first[0]["generation"] != rebuilt[0]["generation"]
 
 
 # --- plan, cost model and backend choice (no processes) ---
