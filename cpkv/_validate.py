@@ -20,6 +20,15 @@ def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     return value
 
 
+def check_rid(rid: object) -> str | int:
+    """Return a request id (a ``str`` or an ``int``; numpy ints become ``int``), or raise."""
+    if isinstance(rid, str):
+        return rid
+    if isinstance(rid, numbers.Integral) and not isinstance(rid, bool):
+        return int(rid)
+    raise InvalidRequestError(f"rid={rid!r} must be a str or an int, got {type(rid).__name__}")
+
+
 def as_token_array(token_ids: object, *, name: str = "token_ids") -> np.ndarray:
     """Return ``token_ids`` as a 1-D int64 array of non-negative ids, or raise.
 

@@ -13,17 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cpkv._validate import as_token_array, check_int
+from cpkv._validate import as_token_array, check_int, check_rid
 from cpkv.config import CPConfig
-from cpkv.errors import (
-    InvalidRequestError,
-    KVCapacityWaitError,
-    LaneUnavailableError,
-    StaleTokenHashesError,
-)
-from cpkv.owners import build_owner_plan, in_seq_page_compute_owner_unavailable_reason
+from cpkv.errors import InvalidRequestError, KVCapacityWaitError, LaneUnavailableError
+from cpkv.owners import OwnerPlan, build_owner_plan, in_seq_page_compute_owner_unavailable_reason
+from cpkv.page_hash import ChainState, PageHasher
 from cpkv.page_pool import RESERVED_LOCAL_PAGE, LanePagePool
-from cpkv.prefix_cache import HashedTokens, PrefixCache, hash_chunk, hash_pages
+from cpkv.prefix_cache import PrefixCache, PrefixMatch
 
 __all__ = ["CPAllocator", "ExtendAllocation", "slots_from_pages", "split_slots_by_lane"]
 
@@ -138,17 +134,19 @@ class _Request:
     __slots__ = (
         "_pages",
         "_parts",
+        "chain",
         "hashes",
         "node",
         "num_cached_pages",
         "num_tokens",
         "rid",
+        "salt",
         "seq",
         "slot",
         "tail",
     )
 
-    def __init__(self, rid, slot, node, cached_pages: np.ndarray) -> None:
+    def __init__(self, rid, slot, node, cached_pages: np.ndarray, salt) -> None:
         self.rid = rid
         self.slot = slot
         self.node = node
@@ -157,9 +155,11 @@ class _Request:
         self._pages: np.ndarray | None = None
         self.num_tokens = 0
         self.hashes: list[np.ndarray] = []
-        # Tokens after the last hashed page; None once a token is unknown (decode
-        # without ids), after which no further page can be cached.
+        # Tokens after the last hashed page and the page chain after it; None once a
+        # token is unknown (decode without ids): no later page can be cached then.
         self.tail: np.ndarray | None = np.empty(0, dtype=np.int64)
+        self.chain: ChainState | None = None
+        self.salt = salt
         self.seq = 0
 
     def add_pages(self, pages: np.ndarray) -> None:
@@ -193,6 +193,39 @@ class _Request:
         return int(self.pages[-1]) * page_size + (self.num_tokens - 1) % page_size
 
 
+@dataclass(slots=True, frozen=True)
+class _Chunk:
+    """A step's new tokens as the prefix cache sees them.
+
+    Attributes:
+        num_tokens: new tokens.
+        hashes: ``uint64`` hashes of the pages that the request's partial page plus
+            these tokens complete.
+        chain: the page chain after those pages; ``None`` when the tokens are unknown.
+        tail: tokens after the last full page; ``None`` when unknown.
+    """
+
+    num_tokens: int
+    hashes: np.ndarray
+    chain: ChainState | None
+    tail: np.ndarray | None
+
+
+@dataclass(slots=True, frozen=True)
+class _Step:
+    """One request's share of a step: its cached prefix, lengths and owners."""
+
+    match: PrefixMatch | None
+    prefix_len: int
+    extend_len: int
+    num_new_pages: int
+    plan: OwnerPlan | None
+    reason: str | None
+
+    def owners(self, rotation) -> np.ndarray:
+        return self.plan.page_owners if self.plan is not None else rotation(self.num_new_pages)
+
+
 @dataclass(slots=True)
 class _Counters:
     extend_allocations: int = 0
@@ -219,6 +252,8 @@ class CPAllocator:
         enable_prefix_cache: keep freed full pages for reuse.
         record_page_moves: journal every page taken or released per lane, for
             :meth:`drain_page_moves` (the coordinator forwards them to the lanes).
+        hash_key: secret of the page hashes (tests pin it); ``None`` draws one at
+            random, so nobody outside this process can craft colliding prompts.
 
     Raises:
         InvalidRequestError (a ValueError): a bad size.
@@ -234,6 +269,7 @@ class CPAllocator:
         *,
         enable_prefix_cache: bool = True,
         record_page_moves: bool = False,
+        hash_key: bytes | None = None,
     ) -> None:
         self.config = CPConfig(cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len)
         self.cp_size = cp_size
@@ -241,6 +277,8 @@ class CPAllocator:
         self.enable_prefix_cache = enable_prefix_cache
         self._pools = [LanePagePool(r, num_pages_per_lane) for r in range(cp_size)]
         self._cache = PrefixCache(cp_size, page_size)
+        self._hasher = PageHasher(page_size, hash_key)
+        self._down: set[int] = set()  # lanes restarting: they take no pages
         self._reqs: dict[Hashable, _Request] = {}
         self._free_slots = list(range(max_reqs - 1, -1, -1))
         self._lost: dict[Hashable, int] = {}
@@ -266,6 +304,31 @@ class CPAllocator:
     def num_free_pages_per_lane(self) -> np.ndarray:
         """``int64 [cp_size]`` free pages on each lane."""
         return np.array([p.num_free_pages for p in self._pools], dtype=np.int64)
+
+    def num_available_pages_per_lane(self) -> np.ndarray:
+        """``int64 [cp_size]`` free pages each lane can give now (0 on a lane that is down)."""
+        free = self.num_free_pages_per_lane()
+        if self._down:
+            free[sorted(self._down)] = 0
+        return free
+
+    def set_lane_available(self, lane: int, available: bool) -> None:
+        """Take ``lane`` out of (or back into) allocation while it restarts.
+
+        A lane that is down gives no pages: plans that need it wait with
+        ``KVCapacityWaitError(reason="lane_unavailable")``, the rotation leaves it out.
+        """
+        check_int("lane", lane, minimum=0)
+        if lane >= self.cp_size:
+            raise InvalidRequestError(f"lane={lane} >= cp_size={self.cp_size}")
+        if available:
+            self._down.discard(lane)
+        else:
+            self._down.add(lane)
+
+    @property
+    def down_lanes(self) -> list[int]:
+        return sorted(self._down)
 
     @property
     def num_requests(self) -> int:
@@ -304,17 +367,21 @@ class CPAllocator:
                 f"page_owners must lie in [0, {self.cp_size}), got [{owners.min()}, {owners.max()}]"
             )
         required = np.bincount(owners, minlength=self.cp_size)
-        available = self.num_free_pages_per_lane()
+        available = self.num_available_pages_per_lane()
         deficit = np.maximum(0, required - available)
         return required.tolist(), available.tolist(), deficit.tolist()
 
-    def match_prefix(self, token_ids) -> np.ndarray:
+    def match_prefix(self, token_ids, cache_salt: str | bytes | None = None) -> np.ndarray:
         """``int32`` pages of the cached page-aligned prefix of ``token_ids`` (not locked)."""
         tokens = as_token_array(token_ids)
-        return self._cache.match_prefix(hash_pages(tokens, self.page_size)).pages
+        _check_salt(cache_salt)
+        hashes, _ = self._hasher.hash_pages(tokens, self._hasher.start(cache_salt))
+        return self._cache.match_prefix(hashes).pages
 
     # ------------------------------------------------------------- allocation
-    def allocate_extend(self, rid: Hashable, token_ids) -> ExtendAllocation:
+    def allocate_extend(
+        self, rid: Hashable, token_ids, *, cache_salt: str | bytes | None = None
+    ) -> ExtendAllocation:
         """Allocate slots for one request's new tokens (a prefill step).
 
         A new ``rid`` first reuses the cached prefix of ``token_ids`` (all but at
@@ -322,50 +389,36 @@ class CPAllocator:
         what it holds (chunked prefill).
 
         Args:
-            rid: request id (any hashable).
+            rid: request id, a ``str`` or an ``int``.
             token_ids: the new tokens, 1-D ints (a numpy int64 array is not copied).
+            cache_salt: requests share cached pages only when their salts are equal
+                (per tenant, say); fixed when the request is created.
 
         Returns:
             An :class:`ExtendAllocation`.
 
         Raises:
-            InvalidRequestError: empty/non-integer/negative tokens, too long.
+            InvalidRequestError: a bad rid, empty/non-integer/negative tokens, too long,
+                a salt other than the request's.
             KVCapacityWaitError: the pages (or a request slot) are not there even
                 after eviction; nothing stays allocated.
             LaneUnavailableError: ``rid`` was lost with a lane.
         """
+        rid = check_rid(rid)
+        _check_salt(cache_salt)
         self._check_not_lost(rid)
         req = self._reqs.get(rid)
-        hashed = self._chunk(rid, req, token_ids)
-        num_tokens = hashed.num_tokens
-        prefix_len = 0 if req is None else req.num_tokens
-        self._check_len(rid, prefix_len, num_tokens)
-        match = None
-        if req is None:
-            match = self._match_for_new(num_tokens, hashed.hashes)
-            prefix_len = match.num_pages * self.page_size
-        extend_len = num_tokens - (prefix_len if req is None else 0)
-        reason = in_seq_page_compute_owner_unavailable_reason(
-            extend_len, prefix_len, self.page_size, self.cp_size
-        )
-        plan = (
-            None
-            if reason
-            else build_owner_plan(extend_len, prefix_len, self.page_size, self.cp_size)
-        )
-        num_new = self._num_new_pages(prefix_len, extend_len)
-        if plan is not None:
-            assert plan.num_pages == num_new, (plan.num_pages, num_new)
-            planner = lambda: plan.page_owners
-        else:
-            planner = lambda: self._rotation_owners(num_new)
+        chunk = self._chunk(rid, req, as_token_array(token_ids), cache_salt)
+        step = self._plan_step(rid, req, chunk)
+        match = step.match
         if match is not None:
             self._cache.lock(match.node)
         try:
             slot = self._take_slot() if req is None else req.slot
             try:
                 owners = self._secure(
-                    planner, reason="owner_lane_exhausted" if plan is not None else "lane_exhausted"
+                    lambda: step.owners(self._rotation_owners),
+                    reason="owner_lane_exhausted" if step.plan is not None else "lane_exhausted",
                 )
             except KVCapacityWaitError:
                 if req is None:
@@ -377,20 +430,26 @@ class CPAllocator:
             raise
         new_pages = self._take_pages(owners)
         if req is None:
-            req = self._new_request(rid, slot, match, hashed)
-        if reason:
-            self._count_fallback(reason, extend_len)
-        return self._extend(req, prefix_len, extend_len, new_pages, hashed, match, plan, reason)
+            req = self._new_request(rid, slot, match, chunk, cache_salt)
+        if step.reason:
+            self._count_fallback(step.reason, step.extend_len)
+        return self._extend(req, step, new_pages, chunk)
 
     def allocate_extend_batch(
-        self, items: Sequence[tuple[Hashable, object]]
+        self,
+        items: Sequence[tuple[Hashable, object]],
+        *,
+        cache_salt: str | bytes | None = None,
     ) -> list[ExtendAllocation]:
-        """Allocate one prefill step of several requests (the rotation fallback).
+        """Allocate one prefill step of several requests.
 
+        Every request that qualifies gets its own zigzag owner plan (each sequence of
+        the batch is split over the lanes); the others draw their pages in rotation.
         All-or-nothing: either every request gets its pages or none does.
 
         Args:
             items: ``(rid, token_ids)`` pairs, distinct rids.
+            cache_salt: the salt of the batch's new requests (see :meth:`allocate_extend`).
 
         Returns:
             One :class:`ExtendAllocation` per item, in order.
@@ -402,33 +461,34 @@ class CPAllocator:
         items = list(items)
         if not items:
             raise InvalidRequestError("allocate_extend_batch got an empty batch")
+        _check_salt(cache_salt)
         if len(items) == 1:
-            return [self.allocate_extend(*items[0])]
-        rids = [rid for rid, _ in items]
+            return [self.allocate_extend(*items[0], cache_salt=cache_salt)]
+        rids = [check_rid(rid) for rid, _ in items]
         if len(set(rids)) != len(rids):
             raise InvalidRequestError(f"allocate_extend_batch got repeated rids: {rids}")
-        tokens = [as_token_array(t, name=f"token_ids[{rid!r}]") for rid, t in items]
+        tokens = [
+            as_token_array(t, name=f"token_ids[{rid!r}]")
+            for rid, (_, t) in zip(rids, items, strict=True)
+        ]
         for rid, tok in zip(rids, tokens, strict=True):
             self._check_not_lost(rid)
             req = self._reqs.get(rid)
             self._check_len(rid, 0 if req is None else req.num_tokens, tok.shape[0])
         # Match (and lock) every new request's prefix before deciding anything.
-        plans = []
-        locked = []
-        for rid, tok in zip(rids, tokens, strict=True):
-            req = self._reqs.get(rid)
-            hashed = self._chunk(rid, req, tok)
-            if req is None:
-                match = self._match_for_new(tok.shape[0], hashed.hashes)
-                self._cache.lock(match.node)
-                locked.append(match.node)
-                prefix_len = match.num_pages * self.page_size
-                plans.append((rid, hashed, match, prefix_len, tok.shape[0] - prefix_len))
-            else:
-                plans.append((rid, hashed, None, req.num_tokens, tok.shape[0]))
-        counts = [self._num_new_pages(p[3], p[4]) for p in plans]
-        total = sum(counts)
-        num_new_reqs = sum(1 for p in plans if p[2] is not None)
+        chunks = [
+            self._chunk(rid, self._reqs.get(rid), tok, cache_salt)
+            for rid, tok in zip(rids, tokens, strict=True)
+        ]
+        steps = [
+            self._plan_step(rid, self._reqs.get(rid), chunk)
+            for rid, chunk in zip(rids, chunks, strict=True)
+        ]
+        locked = [st.match.node for st in steps if st.match is not None]
+        for node in locked:
+            self._cache.lock(node)
+        num_new_reqs = sum(1 for st in steps if st.match is not None)
+        any_plan = any(st.plan is not None for st in steps)
         try:
             if num_new_reqs > len(self._free_slots):
                 self._raise_wait(
@@ -436,25 +496,25 @@ class CPAllocator:
                     "request_slots_exhausted",
                     f"{num_new_reqs} new requests but {len(self._free_slots)} request slots free",
                 )
-            owners = self._secure(lambda: self._rotation_owners(total), reason="lane_exhausted")
+            owners = self._secure(
+                lambda: self._batch_owners(steps),
+                reason="owner_lane_exhausted" if any_plan else "lane_exhausted",
+            )
         except KVCapacityWaitError:
             for node in locked:
                 self._cache.unlock(node)
             raise
         pages = self._take_pages(owners)
         out, start = [], 0
-        for (rid, hashed, match, prefix_len, extend_len), n in zip(plans, counts, strict=True):
-            new_pages = pages[start : start + n]
-            start += n
+        for rid, chunk, st in zip(rids, chunks, steps, strict=True):
+            new_pages = pages[start : start + st.num_new_pages]
+            start += st.num_new_pages
             req = self._reqs.get(rid)
             if req is None:
-                req = self._new_request(rid, self._take_slot(), match, hashed)
-            out.append(
-                self._extend(
-                    req, prefix_len, extend_len, new_pages, hashed, match, None, "multi_batch"
-                )
-            )
-        self._count_fallback("multi_batch", sum(p[4] for p in plans))
+                req = self._new_request(rid, self._take_slot(), st.match, chunk, cache_salt)
+            if st.reason:
+                self._count_fallback(st.reason, st.extend_len)
+            out.append(self._extend(req, st, new_pages, chunk))
         return out
 
     def allocate_decode(
@@ -475,7 +535,7 @@ class CPAllocator:
             KVCapacityWaitError: not enough pages even after eviction.
             LaneUnavailableError: a rid was lost with a lane.
         """
-        rids = list(rids)
+        rids = [check_rid(rid) for rid in rids]
         if not rids:
             raise InvalidRequestError("allocate_decode got no rids")
         if len(set(rids)) != len(rids):
@@ -500,7 +560,7 @@ class CPAllocator:
         for i, req in enumerate(reqs):
             known = token_ids is not None and req.tail is not None
             self._advance(
-                req, 1, hash_chunk(req.tail, toks[i : i + 1], self.page_size) if known else None
+                req, 1, self._chunk(req.rid, req, toks[i : i + 1], None) if known else None
             )
             slots[i] = req.last_slot(self.page_size)
             req.seq += 1
@@ -524,6 +584,7 @@ class CPAllocator:
         Raises:
             InvalidRequestError: unknown rid (or freed twice), bad committed_len.
         """
+        rid = check_rid(rid)
         if rid in self._lost:
             del self._lost[rid]
             return 0
@@ -616,6 +677,7 @@ class CPAllocator:
             "evictable": self._cache.num_evictable_pages_per_lane.tolist(),
             "reserved": [1] * self.cp_size,
             "num_requests": len(self._reqs),
+            "down_lanes": sorted(self._down),
             "num_lost_requests": len(self._lost),
             "extend_allocations": c.extend_allocations,
             "decode_allocations": c.decode_allocations,
@@ -673,6 +735,7 @@ class CPAllocator:
 
     # ---------------------------------------------------------------- private
     def _get(self, rid: Hashable) -> _Request:
+        rid = check_rid(rid)
         req = self._reqs.get(rid)
         if req is None:
             self._check_not_lost(rid)
@@ -710,30 +773,68 @@ class CPAllocator:
             return -1, 0
         return req.last_slot(self.page_size) + 1, min(self.page_size - used, extend_len)
 
+    def _plan_step(self, rid: Hashable, req: _Request | None, chunk: _Chunk) -> _Step:
+        """Decide where one request's step goes: cached prefix, owner plan or rotation.
+
+        NOTE: each sequence of a batch is planned alone, so ``multi_batch`` is never a reason.
+        """
+        num_tokens = chunk.num_tokens
+        prefix_len = 0 if req is None else req.num_tokens
+        self._check_len(rid, prefix_len, num_tokens)
+        match = None
+        if req is None:
+            match = self._match_for_new(num_tokens, chunk.hashes)
+            prefix_len = match.num_pages * self.page_size
+        extend_len = num_tokens - (prefix_len if req is None else 0)
+        reason = in_seq_page_compute_owner_unavailable_reason(
+            extend_len, prefix_len, self.page_size, self.cp_size
+        )
+        plan = (
+            None
+            if reason
+            else build_owner_plan(extend_len, prefix_len, self.page_size, self.cp_size)
+        )
+        num_new = self._num_new_pages(prefix_len, extend_len)
+        assert plan is None or plan.num_pages == num_new, (plan.num_pages, num_new)
+        return _Step(match, prefix_len, extend_len, num_new, plan, reason)
+
+    def _batch_owners(self, steps: list[_Step]) -> np.ndarray:
+        """Owners of a batch's new pages, in item order: plans where they exist, the rest in
+        rotation over what the planned pages leave."""
+        planned = np.zeros(self.cp_size, dtype=np.int64)
+        rotated = 0
+        for st in steps:
+            if st.plan is not None:
+                planned += st.plan.pages_per_lane
+            else:
+                rotated += st.num_new_pages
+        rotation = self._rotation_owners(rotated, reserved=planned)
+        parts, taken = [], 0
+        for st in steps:
+            if st.plan is not None:
+                parts.append(st.plan.page_owners)
+            else:
+                parts.append(rotation[taken : taken + st.num_new_pages])
+                taken += st.num_new_pages
+        return np.concatenate(parts).astype(np.int32, copy=False) if parts else _EMPTY_I32
+
     def _extend(
-        self,
-        req: _Request,
-        prefix_len: int,
-        extend_len: int,
-        new_pages: np.ndarray,
-        hashed: HashedTokens,
-        match,
-        plan,
-        reason: str | None,
+        self, req: _Request, step: _Step, new_pages: np.ndarray, chunk: _Chunk
     ) -> ExtendAllocation:
         """Give ``req`` its new pages and tokens; describe the step to the caller."""
-        head_slot, head_len = self._head(req, extend_len)
+        head_slot, head_len = self._head(req, step.extend_len)
         req.add_pages(new_pages)
-        self._advance(req, extend_len, hashed, skip=match.num_pages if match else 0)
+        match, plan = step.match, step.plan
+        self._advance(req, step.extend_len, chunk, skip=match.num_pages if match else 0)
         req.seq += 1
         self._counters.extend_allocations += 1
         return ExtendAllocation(
             rid=req.rid,
             seq=req.seq,
             req_slot=req.slot,
-            prefix_len=prefix_len,
-            cached_len=prefix_len if match is not None else 0,
-            extend_len=extend_len,
+            prefix_len=step.prefix_len,
+            cached_len=step.prefix_len if match is not None else 0,
+            extend_len=step.extend_len,
             page_size=self.page_size,
             cp_size=self.cp_size,
             head_slot=head_slot,
@@ -741,54 +842,44 @@ class CPAllocator:
             new_pages=new_pages,
             page_owners=None if plan is None else plan.page_owners,
             lane_token_ranges=None if plan is None else plan.lane_token_ranges,
-            fallback_reason=reason,
+            fallback_reason=step.reason,
             cached_pages=match.pages if match is not None else _EMPTY_I32,
         )
 
-    def _chunk(self, rid: Hashable, req: _Request | None, token_ids) -> HashedTokens:
-        """The chunk as page hashes chained onto ``req``'s partial page.
+    def _chunk(
+        self,
+        rid: Hashable,
+        req: _Request | None,
+        tokens: np.ndarray,
+        cache_salt: str | bytes | None,
+    ) -> _Chunk:
+        """Hash the pages that ``req``'s partial page plus ``tokens`` complete."""
+        if req is None:
+            state, prev = self._hasher.start(cache_salt), _EMPTY_I64
+        else:
+            if cache_salt is not None and cache_salt != req.salt:
+                raise InvalidRequestError(
+                    f"rid={rid!r} was created with cache_salt={req.salt!r}, got {cache_salt!r}"
+                )
+            if req.tail is None or req.chain is None:
+                return _Chunk(int(tokens.shape[0]), _EMPTY_U64, None, None)
+            state, prev = req.chain, req.tail
+        seq = np.concatenate([prev, tokens]) if prev.size else tokens
+        hashes, chain = self._hasher.hash_pages(seq, state)
+        tail = seq[hashes.shape[0] * self.page_size :].copy()
+        return _Chunk(int(tokens.shape[0]), hashes, chain, tail)
 
-        Raw ids are hashed here; a :class:`HashedTokens` from a client is checked
-        against what this request holds.
-        """
-        prev = _EMPTY_I64 if req is None or req.tail is None else req.tail
-        if not isinstance(token_ids, HashedTokens):
-            return hash_chunk(prev, as_token_array(token_ids), self.page_size)
-        h = token_ids
-        check_int("num_tokens", h.num_tokens, minimum=1)
-        if req is not None and req.tail is None:
-            return h  # this request's tokens are unknown already: nothing to check
-        if h.prev_tail_len != prev.shape[0]:
-            raise StaleTokenHashesError(
-                f"rid={rid!r}: hashes chained on a {h.prev_tail_len}-token partial page, "
-                f"the request holds {prev.shape[0]}"
-            )
-        total = h.prev_tail_len + h.num_tokens
-        if (
-            not isinstance(h.hashes, np.ndarray)
-            or h.hashes.dtype != np.uint64
-            or h.hashes.shape != (total // self.page_size,)
-            or not isinstance(h.tail, np.ndarray)
-            or h.tail.shape != (total % self.page_size,)
-        ):
-            raise InvalidRequestError(
-                f"rid={rid!r}: HashedTokens of {h.num_tokens} tokens has hashes "
-                f"{getattr(h.hashes, 'shape', None)} and tail {getattr(h.tail, 'shape', None)}; "
-                f"expected ({total // self.page_size},) uint64 and ({total % self.page_size},)"
-            )
-        return h
-
-    def _new_request(self, rid: Hashable, slot: int, match, hashed: HashedTokens) -> _Request:
-        req = _Request(rid, slot, match.node, match.pages)
+    def _new_request(
+        self, rid: Hashable, slot: int, match, chunk: _Chunk, salt: str | bytes | None
+    ) -> _Request:
+        req = _Request(rid, slot, match.node, match.pages, salt)
         self._reqs[rid] = req
         req.num_tokens = match.num_pages * self.page_size
-        req.hashes.append(hashed.hashes[: match.num_pages])
+        req.hashes.append(chunk.hashes[: match.num_pages])
         self._counters.cached_tokens_hit += req.num_tokens
         return req
 
-    def _advance(
-        self, req: _Request, num_tokens: int, hashed: HashedTokens | None, skip: int = 0
-    ) -> None:
+    def _advance(self, req: _Request, num_tokens: int, chunk: _Chunk | None, skip: int = 0) -> None:
         """Advance ``req`` by ``num_tokens``; keep the hashes of the pages they complete.
 
         ``skip`` hashes at the front were already kept (a new request's cached prefix).
@@ -796,12 +887,12 @@ class CPAllocator:
         req.num_tokens += num_tokens
         if req.tail is None:
             return
-        if hashed is None:
-            req.tail = None  # an unknown token: no later page can be cached
+        if chunk is None or chunk.tail is None:
+            req.tail = req.chain = None  # an unknown token: no later page can be cached
             return
-        if hashed.hashes.shape[0] > skip:
-            req.hashes.append(hashed.hashes[skip:])
-        req.tail = hashed.tail
+        if chunk.hashes.shape[0] > skip:
+            req.hashes.append(chunk.hashes[skip:])
+        req.tail, req.chain = chunk.tail, chunk.chain
 
     def _take_slot(self) -> int:
         if not self._free_slots:
@@ -812,20 +903,23 @@ class CPAllocator:
             )
         return self._free_slots.pop()
 
-    def _rotation_owners(self, num_pages: int) -> np.ndarray:
+    def _rotation_owners(self, num_pages: int, reserved: np.ndarray | None = None) -> np.ndarray:
         """Owners for pages drawn in rotation, starting at the lane with most free pages.
 
         A lane leaves the rotation once its free plus evictable pages are used up,
         so a fallback step never waits while other lanes could still serve it.
+        ``reserved`` pages per lane are already promised to owner plans of the same step.
         """
         if num_pages == 0:
             return _EMPTY_I32
-        free = self.num_free_pages_per_lane()
+        free = self.num_available_pages_per_lane()
+        if reserved is not None:
+            free = free - reserved
         order = np.argsort(-free, kind="stable").astype(np.int32)
         base, extra = divmod(num_pages, self.cp_size)
         counts = np.full(self.cp_size, base, dtype=np.int64)
         counts[:extra] += 1  # per position in `order`
-        cap = (free + self._cache.num_evictable_pages_per_lane)[order]
+        cap = np.maximum(0, free + self._cache.num_evictable_pages_per_lane)[order]
         if (counts <= cap).all() or cap.sum() < num_pages:
             return np.resize(order, num_pages)
         # Water-fill: every lane gets min(cap, level) for the highest level that fits,
@@ -856,9 +950,11 @@ class CPAllocator:
         owners = planner()
         for _attempt in range(self.max_evict_attempts):
             required = np.bincount(owners, minlength=self.cp_size)
-            deficit = np.maximum(0, required - self.num_free_pages_per_lane())
+            deficit = np.maximum(0, required - self.num_available_pages_per_lane())
             if not deficit.any():
                 return owners
+            if self._down and deficit[sorted(self._down)].any():
+                break  # a restarting lane: eviction cannot help it
             self._counters.evict_calls += 1
             # NOTE: deficits are in owner-lane pages already; never scale by cp_size.
             self._counters.evict_tokens_requested += int(deficit.sum()) * self.page_size
@@ -870,14 +966,20 @@ class CPAllocator:
                 self._free_local(r, pages // self.cp_size)
             owners = planner()
         required = np.bincount(owners, minlength=self.cp_size)
-        deficit = np.maximum(0, required - self.num_free_pages_per_lane())
+        deficit = np.maximum(0, required - self.num_available_pages_per_lane())
         if not deficit.any():
             return owners
-        self._raise_wait(required, reason, f"{int(required.sum())} pages wanted after eviction")
+        down = [r for r in sorted(self._down) if deficit[r]]
+        if down:
+            reason = "lane_unavailable"
+            message = f"lanes {down} are restarting; {int(required.sum())} pages wanted"
+        else:
+            message = f"{int(required.sum())} pages wanted after eviction"
+        self._raise_wait(required, reason, message)
         raise AssertionError("unreachable")
 
     def _raise_wait(self, required: np.ndarray, reason: str, message: str) -> None:
-        available = self.num_free_pages_per_lane()
+        available = self.num_available_pages_per_lane()
         deficit = np.maximum(0, required - available)
         self._counters.capacity_waits += 1
         raise KVCapacityWaitError(
@@ -927,3 +1029,10 @@ class CPAllocator:
                 reason,
                 num_tokens,
             )
+
+
+def _check_salt(cache_salt: object) -> None:
+    if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+        raise InvalidRequestError(
+            f"cache_salt={cache_salt!r} must be str, bytes or None, not {type(cache_salt).__name__}"
+        )

@@ -14,14 +14,16 @@ import contextlib
 import itertools
 import logging
 import random
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 from cpkv._ray_env import NAMESPACE, ensure_ray, local_gpu_count
-from cpkv._validate import as_token_array, check_int
+from cpkv._validate import as_token_array, check_int, check_rid
 from cpkv.allocator import ExtendAllocation, split_slots_by_lane
 from cpkv.config import CPConfig, KVShape
 from cpkv.errors import (
@@ -29,17 +31,15 @@ from cpkv.errors import (
     InvalidRequestError,
     KVCapacityWaitError,
     LaneUnavailableError,
+    LeaseExpiredError,
     RequestTimeoutError,
-    StaleTokenHashesError,
 )
-from cpkv.prefix_cache import HashedTokens, hash_chunk
 
 __all__ = ["CPKVClient", "connect"]
 
 logger = logging.getLogger("cpkv.client")
 
 DEFAULT_NAME = "cpkv-coordinator"
-_EMPTY_TAIL = np.empty(0, dtype=np.int64)
 
 
 def connect(
@@ -56,6 +56,7 @@ def connect(
     name: str = DEFAULT_NAME,
     timeout_s: float = 60.0,
     heartbeat_s: float = 1.0,
+    lease_s: float | None = 30.0,
     detached: bool = False,
     num_layers: int = 1,
     num_heads: int = 8,
@@ -66,7 +67,8 @@ def connect(
 
     Args:
         address: ``None`` starts an embedded Ray on 127.0.0.1 (logical GPUs when
-            the machine has none); ``"auto"`` or ``"ray://host:port"`` attaches.
+            the machine has none); ``"auto"`` or ``"ray://host:port"`` attaches (also
+            from inside a Ray actor or task, which then gets a client of its own).
         cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len: the
             pool (see :class:`cpkv.CPConfig`).
         num_gpus_per_lane: GPUs per lane; default 1, or ``1 / cp_size`` packed on
@@ -75,7 +77,10 @@ def connect(
         strategy: ``STRICT_PACK`` (default), ``PACK``, ``SPREAD`` or ``STRICT_SPREAD``.
         name: the coordinator's actor name; an existing one is attached to.
         timeout_s: every client call fails with RequestTimeoutError after this.
-        heartbeat_s: the coordinator's lane heartbeat period.
+        heartbeat_s: the coordinator's lane heartbeat and lease-check period.
+        lease_s: this client's lease: renewed in the background while the client
+            lives; when it lapses (the process died) the coordinator frees the
+            client's requests. ``None``: no lease, requests live until freed.
         detached: actors outlive this driver (for shared, long-lived pools).
         num_layers, num_heads, head_dim, dtype: each lane's K/V tensors.
 
@@ -88,6 +93,8 @@ def connect(
     """
     config = CPConfig(cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len)
     kv = KVShape(num_layers, num_heads, head_dim, dtype)
+    if lease_s is not None and not lease_s > 0:
+        raise InvalidRequestError(f"lease_s={lease_s!r} must be > 0 or None")
     started = ensure_ray(
         address,
         num_cpus=max(4, cp_size + 2) if address is None else None,
@@ -114,16 +121,22 @@ def connect(
             num_cpus_per_lane=num_cpus_per_lane,
             strategy=strategy,
             timeout_s=timeout_s,
+            # NOTE: unique per creation: two drivers racing to create one pool must
+            # not collide on lane names; the loser removes its lanes below.
+            name_prefix=f"{name}-{uuid.uuid4().hex[:8]}-",
             detached=detached,
         )
         opts = {"name": name, "namespace": NAMESPACE, "get_if_exists": True}
         if detached:
             opts["lifetime"] = "detached"
         coordinator = CoordinatorActor.options(**opts).remote(
-            config, kv, placement.lanes, heartbeat_s, timeout_s
+            config, kv, placement.lane_names, heartbeat_s, timeout_s
         )
-    client = CPKVClient(coordinator, timeout_s=timeout_s, placement=placement, owns_ray=started)
+    client = CPKVClient(
+        coordinator, timeout_s=timeout_s, placement=placement, owns_ray=started, lease_s=lease_s
+    )
     if client.config != config and placement is None:
+        client.shutdown()
         raise InvalidRequestError(
             f"coordinator {name!r} exists with {client.config}, asked for {config}"
         )
@@ -133,18 +146,63 @@ def connect(
     return client
 
 
+class _LeaseKeeper:
+    """Renews a client's lease every third of it, while the client lives.
+
+    Holds the client weakly: a client that is garbage-collected stops renewing,
+    so its lease lapses as if its process had died.
+    """
+
+    def __init__(self, client: CPKVClient, lease_s: float) -> None:
+        self._client = weakref.ref(client)
+        self._coord = client._coord
+        self._client_id = client.client_id
+        self._lease_s = lease_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="cpkv-lease")
+        self._thread.start()
+
+    def _run(self) -> None:
+        import ray
+
+        while not self._stop.wait(self._lease_s / 3):
+            if self._client() is None:
+                return
+            try:
+                if not ray.get(
+                    self._coord.renew_lease.remote(self._client_id), timeout=self._lease_s
+                ):
+                    ray.get(
+                        self._coord.hello.remote(self._client_id, self._lease_s),
+                        timeout=self._lease_s,
+                    )
+            except Exception:  # coordinator restarting or gone: try again next period
+                logger.debug("lease renewal failed", exc_info=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class CPKVClient:
     """Talks to one coordinator and its lanes; every call has a timeout.
 
     Args:
         coordinator: the coordinator actor handle.
         timeout_s: seconds before a call fails with RequestTimeoutError.
-        placement: the lanes' placement when this client created them.
+        placement: the lanes' placement when this client created them (it then owns
+            the pool: its :meth:`shutdown` stops it).
         owns_ray: this client started Ray and stops it on :meth:`shutdown`.
+        lease_s: this client's lease (see :func:`connect`); ``None`` for none.
     """
 
     def __init__(
-        self, coordinator, *, timeout_s: float = 60.0, placement=None, owns_ray: bool = False
+        self,
+        coordinator,
+        *,
+        timeout_s: float = 60.0,
+        placement=None,
+        owns_ray: bool = False,
+        lease_s: float | None = None,
     ) -> None:
         import ray
 
@@ -154,22 +212,26 @@ class CPKVClient:
         self._placement = placement
         self._owns_ray = owns_ray
         self._calls = itertools.count()
-        self._client_id = uuid.uuid4().hex[:12]
+        self.client_id = uuid.uuid4().hex[:16]
+        self.lease_s = lease_s
         self._rids: set[Hashable] = set()
-        # Each live request's partial last page, as this client sent it: chunks then
-        # travel as page hashes (8 bytes a page) instead of ids (8 bytes a token).
-        # None: unknown (decode without ids, or another client extended it).
-        self._tails: dict[Hashable, np.ndarray | None] = {}
-        hello = self._get(self._coord.hello.remote(), "hello")
+        self._lost: list = []
+        hello = self._get(self._coord.hello.remote(self.client_id, lease_s), "hello")
         self._epoch: str = hello["epoch"]
         self.config: CPConfig = hello["config"]
         self.kv: KVShape = hello["kv"]
         self.lanes: list = hello["lanes"]
-        self._torch_dtype = None
+        self.lane_names: list[str] = hello.get("lane_names", [])
+        self._lease = _LeaseKeeper(self, lease_s) if lease_s is not None else None
+
+    @property
+    def owns_pool(self) -> bool:
+        """True when this client created the coordinator and lanes (shutdown stops them)."""
+        return self._placement is not None
 
     # -------------------------------------------------------------- plumbing
     def _call_id(self) -> tuple[str, int]:
-        return (self._client_id, next(self._calls))
+        return (self.client_id, next(self._calls))
 
     def _get(self, ref, what: str):
         try:
@@ -198,9 +260,12 @@ class CPKVClient:
     def _unwrap(self, out):
         if isinstance(out, CoordinatorUnavailableError):
             self._lose_all()
-            self._epoch = self._ray.get(self._coord.epoch.remote(), timeout=self.timeout_s)
+            hello = self._ray.get(
+                self._coord.hello.remote(self.client_id, self.lease_s), timeout=self.timeout_s
+            )
+            self._epoch = hello["epoch"]
             raise CoordinatorUnavailableError(out.detail, self._take_lost())
-        if isinstance(out, LaneUnavailableError):
+        if isinstance(out, (LaneUnavailableError, LeaseExpiredError)):
             self._forget(out.rids)
         if isinstance(out, BaseException):
             raise out
@@ -209,14 +274,13 @@ class CPKVClient:
     def _forget(self, rids) -> None:
         for rid in rids:
             self._rids.discard(rid)
-            self._tails.pop(rid, None)
 
     def _lose_all(self) -> None:
         self._lost = sorted(self._rids, key=repr)
         self._forget(self._lost)
 
     def _take_lost(self) -> list:
-        lost, self._lost = getattr(self, "_lost", []), []
+        lost, self._lost = self._lost, []
         return lost
 
     # ------------------------------------------------------------ validation
@@ -229,68 +293,55 @@ class CPKVClient:
             )
         return tokens
 
-    def _check_rid(self, rid: Hashable) -> None:
-        try:
-            hash(rid)
-        except TypeError:
-            raise InvalidRequestError(f"rid={rid!r} is not hashable") from None
+    @staticmethod
+    def _check_salt(cache_salt) -> None:
+        if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+            raise InvalidRequestError(
+                f"cache_salt={cache_salt!r} must be str, bytes or None, "
+                f"not {type(cache_salt).__name__}"
+            )
 
     # ------------------------------------------------------------ allocation
-    def _chunk(self, rid: Hashable, tokens: np.ndarray):
-        """Page hashes of ``tokens`` chained on ``rid``'s partial page, or the ids."""
-        if rid in self._rids:
-            prev = self._tails.get(rid)
-            if prev is None:
-                return tokens
-        else:
-            prev = _EMPTY_TAIL
-        return hash_chunk(prev, tokens, self.config.page_size)
-
-    def _sent(self, rid: Hashable, chunk) -> None:
-        self._rids.add(rid)
-        self._tails[rid] = chunk.tail if isinstance(chunk, HashedTokens) else None
-
-    def allocate_extend(self, rid: Hashable, token_ids) -> ExtendAllocation:
+    def allocate_extend(
+        self, rid: Hashable, token_ids, *, cache_salt: str | bytes | None = None
+    ) -> ExtendAllocation:
         """Allocate one request's prefill step (see :meth:`cpkv.CPAllocator.allocate_extend`).
+
+        Calls on one rid are serialised by the coordinator: two clients extending the
+        same rid at once both succeed, one after the other (ids are shared by every
+        client of a pool, so give requests ids unique to your job).
+
+        Args:
+            rid: request id, ``str`` or ``int``.
+            token_ids: the new tokens (the whole prompt for a new rid).
+            cache_salt: requests share cached pages only with requests of the same salt.
 
         Raises:
             InvalidRequestError, KVCapacityWaitError, LaneUnavailableError,
-            CoordinatorUnavailableError, RequestTimeoutError.
+            LeaseExpiredError, CoordinatorUnavailableError, RequestTimeoutError.
         """
-        self._check_rid(rid)
+        rid = check_rid(rid)
         tokens = self._check_tokens(rid, token_ids)
-        chunk = self._chunk(rid, tokens)
-        try:
-            out = self._get(
-                self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, chunk),
-                "allocate_extend",
-            )
-        except StaleTokenHashesError:
-            chunk = tokens  # another client extended this request: send the ids
-            out = self._get(
-                self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, chunk),
-                "allocate_extend",
-            )
-        self._sent(rid, chunk)
+        self._check_salt(cache_salt)
+        ref = self._coord.allocate_extend.remote(
+            self._epoch, self.client_id, self._call_id(), rid, tokens, cache_salt
+        )
+        out = self._get(ref, "allocate_extend")
+        self._rids.add(rid)
         return out
 
-    async def allocate_extend_async(self, rid: Hashable, token_ids) -> ExtendAllocation:
+    async def allocate_extend_async(
+        self, rid: Hashable, token_ids, *, cache_salt: str | bytes | None = None
+    ) -> ExtendAllocation:
         """Async twin of :meth:`allocate_extend`."""
-        self._check_rid(rid)
+        rid = check_rid(rid)
         tokens = self._check_tokens(rid, token_ids)
-        chunk = self._chunk(rid, tokens)
-        try:
-            out = await self._aget(
-                self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, chunk),
-                "allocate_extend",
-            )
-        except StaleTokenHashesError:
-            chunk = tokens
-            out = await self._aget(
-                self._coord.allocate_extend.remote(self._epoch, self._call_id(), rid, chunk),
-                "allocate_extend",
-            )
-        self._sent(rid, chunk)
+        self._check_salt(cache_salt)
+        ref = self._coord.allocate_extend.remote(
+            self._epoch, self.client_id, self._call_id(), rid, tokens, cache_salt
+        )
+        out = await self._aget(ref, "allocate_extend")
+        self._rids.add(rid)
         return out
 
     def allocate_extend_with_backoff(
@@ -298,6 +349,7 @@ class CPKVClient:
         rid: Hashable,
         token_ids,
         *,
+        cache_salt: str | bytes | None = None,
         deadline_s: float = 30.0,
         initial_backoff_s: float = 0.005,
         max_backoff_s: float = 0.5,
@@ -308,13 +360,24 @@ class CPKVClient:
         Raises:
             KVCapacityWaitError: the last one, once ``deadline_s`` has passed.
         """
+        rid = check_rid(rid)
         tokens = self._check_tokens(rid, token_ids)
+        return self._with_backoff(
+            lambda: self.allocate_extend(rid, tokens, cache_salt=cache_salt),
+            deadline_s=deadline_s,
+            initial_backoff_s=initial_backoff_s,
+            max_backoff_s=max_backoff_s,
+            rng=rng,
+        )
+
+    @staticmethod
+    def _with_backoff(fn, *, deadline_s, initial_backoff_s, max_backoff_s, rng):
         rng = rng or random.Random()
         end = time.monotonic() + deadline_s
         backoff = initial_backoff_s
         while True:
             try:
-                return self.allocate_extend(rid, tokens)
+                return fn()
             except KVCapacityWaitError:
                 left = end - time.monotonic()
                 if left <= 0:
@@ -323,22 +386,26 @@ class CPKVClient:
                 time.sleep(min(left, backoff * (0.5 + rng.random())))
                 backoff = min(max_backoff_s, backoff * 2)
 
-    def allocate_extend_batch(self, items: Sequence[tuple[Hashable, object]]) -> list:
+    def allocate_extend_batch(
+        self, items: Sequence[tuple[Hashable, object]], *, cache_salt: str | bytes | None = None
+    ) -> list:
         """Allocate one prefill step of several requests, all or nothing."""
-        checked = [(rid, self._check_tokens(rid, t)) for rid, t in items]
-        for rid, _ in checked:
-            self._check_rid(rid)
+        checked = []
+        for rid, t in items:
+            rid = check_rid(rid)
+            checked.append((rid, self._check_tokens(rid, t)))
         if not checked:
             raise InvalidRequestError("allocate_extend_batch got an empty batch")
-        ref = self._coord.allocate_extend_batch.remote(self._epoch, self._call_id(), checked)
+        self._check_salt(cache_salt)
+        ref = self._coord.allocate_extend_batch.remote(
+            self._epoch, self.client_id, self._call_id(), checked, cache_salt
+        )
         out = self._get(ref, "allocate_extend_batch")
-        for rid, _ in checked:  # ids were sent: the partial pages are not tracked here
-            self._sent(rid, None)
+        self._rids.update(rid for rid, _ in checked)
         return out
 
-    def allocate_decode(self, rids: Sequence[Hashable], token_ids=None) -> np.ndarray:
-        """One more token for each request; ``int64 [len(rids)]`` slots."""
-        rids = list(rids)
+    def _decode_args(self, rids: Sequence[Hashable], token_ids) -> tuple[list, np.ndarray | None]:
+        rids = [check_rid(rid) for rid in rids]
         if not rids:
             raise InvalidRequestError("allocate_decode got no rids")
         toks = None if token_ids is None else as_token_array(token_ids)
@@ -346,36 +413,36 @@ class CPKVClient:
             raise InvalidRequestError(
                 f"allocate_decode got {toks.shape[0]} token ids for {len(rids)} rids"
             )
-        ref = self._coord.allocate_decode.remote(self._epoch, self._call_id(), rids, toks)
-        out = self._get(ref, "allocate_decode")
-        self._decoded(rids, toks)
-        return out
+        return rids, toks
 
-    def _decoded(self, rids: list, toks: np.ndarray | None) -> None:
-        ps = self.config.page_size
-        for i, rid in enumerate(rids):
-            tail = self._tails.get(rid)
-            if tail is None or toks is None:
-                self._tails[rid] = None
-                continue
-            tail = np.concatenate([tail, toks[i : i + 1]])
-            self._tails[rid] = tail if tail.shape[0] < ps else _EMPTY_TAIL
+    def allocate_decode(self, rids: Sequence[Hashable], token_ids=None) -> np.ndarray:
+        """One more token for each request; ``int64 [len(rids)]`` slots."""
+        rids, toks = self._decode_args(rids, token_ids)
+        ref = self._coord.allocate_decode.remote(
+            self._epoch, self.client_id, self._call_id(), rids, toks
+        )
+        return self._get(ref, "allocate_decode")
 
     async def allocate_decode_async(self, rids: Sequence[Hashable], token_ids=None) -> np.ndarray:
         """Async twin of :meth:`allocate_decode`."""
-        toks = None if token_ids is None else as_token_array(token_ids)
-        rids = list(rids)
-        ref = self._coord.allocate_decode.remote(self._epoch, self._call_id(), rids, toks)
-        out = await self._aget(ref, "allocate_decode")
-        self._decoded(rids, toks)
-        return out
+        rids, toks = self._decode_args(rids, token_ids)
+        ref = self._coord.allocate_decode.remote(
+            self._epoch, self.client_id, self._call_id(), rids, toks
+        )
+        return await self._aget(ref, "allocate_decode")
+
+    def _free_args(self, rid, committed_len) -> Hashable:
+        rid = check_rid(rid)
+        if committed_len is not None:
+            check_int("committed_len", committed_len, minimum=0)
+        return rid
 
     def free(self, rid: Hashable, cache: bool = True, committed_len: int | None = None) -> int:
         """Release a request; full pages go to the prefix cache when ``cache``."""
-        self._check_rid(rid)
-        if committed_len is not None:
-            check_int("committed_len", committed_len, minimum=0)
-        ref = self._coord.free.remote(self._epoch, self._call_id(), rid, bool(cache), committed_len)
+        rid = self._free_args(rid, committed_len)
+        ref = self._coord.free.remote(
+            self._epoch, self.client_id, self._call_id(), rid, bool(cache), committed_len
+        )
         out = self._get(ref, "free")
         self._forget([rid])
         return out
@@ -384,7 +451,10 @@ class CPKVClient:
         self, rid: Hashable, cache: bool = True, committed_len: int | None = None
     ) -> int:
         """Async twin of :meth:`free`."""
-        ref = self._coord.free.remote(self._epoch, self._call_id(), rid, bool(cache), committed_len)
+        rid = self._free_args(rid, committed_len)
+        ref = self._coord.free.remote(
+            self._epoch, self.client_id, self._call_id(), rid, bool(cache), committed_len
+        )
         out = await self._aget(ref, "free")
         self._forget([rid])
         return out
@@ -499,7 +569,7 @@ class CPKVClient:
     def reset(self) -> None:
         """Drop every request and cached page of the pool (all clients'); lanes emptied."""
         self._get(self._coord.reset.remote(), "reset")
-        self._forget(list(self._rids))
+        self._rids.clear()
 
     def lane_info(self) -> list[dict]:
         """Each lane's node, device, GPU ids and own page counts."""
@@ -517,7 +587,26 @@ class CPKVClient:
         return set(self._rids)
 
     def shutdown(self) -> None:
-        """Stop the coordinator and lanes this client created (and Ray, if it started it)."""
+        """Let go of the pool.
+
+        The client that created the pool stops it (coordinator and lanes) and Ray if it
+        started it. A client that attached only closes its lease, which frees the
+        requests it still holds; the pool goes on for its other clients (to stop a
+        pool from any client, call :meth:`stop_pool`).
+        """
+        if self._lease is not None:
+            self._lease.stop()
+        if self.owns_pool:
+            self.stop_pool()
+        elif self.lease_s is not None:
+            with contextlib.suppress(Exception):  # the pool is gone already
+                self._ray.get(self._coord.close_lease.remote(self.client_id), timeout=5)
+        self._rids.clear()
+        if self._owns_ray:
+            self._ray.shutdown()
+
+    def stop_pool(self) -> None:
+        """Stop the coordinator and its lanes for every client (whoever created them)."""
         ray = self._ray
         with contextlib.suppress(Exception):  # already gone
             ray.get(self._coord.shutdown.remote(), timeout=5)
@@ -525,8 +614,16 @@ class CPKVClient:
         if self._placement is not None:
             self._placement.remove()
             self._placement = None
-        if self._owns_ray:
-            ray.shutdown()
+            return
+        from ray.util.placement_group import get_placement_group, remove_placement_group
+
+        for lane in self.lanes:
+            with contextlib.suppress(Exception):
+                ray.kill(lane, no_restart=True)
+        if self.lane_names:
+            prefix = self.lane_names[0].rsplit("lane", 1)[0]
+            with contextlib.suppress(Exception):  # no such group (another stopped it)
+                remove_placement_group(get_placement_group(f"{prefix}lanes"))
 
     def __enter__(self) -> CPKVClient:
         return self

@@ -14,8 +14,8 @@ __all__ = [
     "InvalidRequestError",
     "KVCapacityWaitError",
     "LaneUnavailableError",
+    "LeaseExpiredError",
     "RequestTimeoutError",
-    "StaleTokenHashesError",
 ]
 
 
@@ -25,11 +25,6 @@ class CPKVError(Exception):
 
 class InvalidRequestError(CPKVError, ValueError):
     """Bad input: the message names the offending value; state is unchanged."""
-
-
-class StaleTokenHashesError(InvalidRequestError):
-    """Page hashes sent for a chunk were chained on another partial page than the
-    request holds (another client extended it); resend the token ids."""
 
 
 class KVCapacityWaitError(CPKVError, RuntimeError):
@@ -43,7 +38,8 @@ class KVCapacityWaitError(CPKVError, RuntimeError):
         available_by_owner: free pages on each lane after eviction.
         deficit_by_owner: ``max(0, required - available)`` per lane.
         reason: ``owner_lane_exhausted`` (owner plan), ``lane_exhausted``
-            (rotation fallback or decode) or ``request_slots_exhausted``.
+            (rotation fallback or decode), ``lane_unavailable`` (a lane the step
+            needs is restarting) or ``request_slots_exhausted``.
     """
 
     def __init__(
@@ -112,6 +108,22 @@ class CoordinatorUnavailableError(CPKVError, RuntimeError):
 
     def __reduce__(self):
         return (_rebuild, (CoordinatorUnavailableError, (self.detail, self.rids), {}))
+
+
+class LeaseExpiredError(CPKVError, RuntimeError):
+    """This client stopped renewing its lease long enough that it lapsed: the coordinator
+    freed the requests it held. The lease is open again; submit them again.
+
+    Attributes:
+        rids: the requests that were freed.
+    """
+
+    def __init__(self, rids: Sequence[Hashable]) -> None:
+        self.rids = list(rids)
+        super().__init__(f"this client's lease lapsed; its requests were freed: {self.rids}")
+
+    def __reduce__(self):
+        return (_rebuild, (LeaseExpiredError, (self.rids,), {}))
 
 
 class RequestTimeoutError(CPKVError, TimeoutError):

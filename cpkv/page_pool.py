@@ -1,28 +1,13 @@
-"""One lane's free pages, and the global page-id arithmetic shared by all lanes."""
+"""One lane's free pages."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["LanePagePool", "global_pages", "lane_of", "local_of"]
+__all__ = ["RESERVED_LOCAL_PAGE", "LanePagePool"]
 
 # NOTE: local page 0 of every lane is the padding target and is never handed out.
 RESERVED_LOCAL_PAGE = 0
-
-
-def lane_of(global_pages_: np.ndarray, cp_size: int) -> np.ndarray:
-    """Lane of each global page id: ``g % cp_size``."""
-    return global_pages_ % cp_size
-
-
-def local_of(global_pages_: np.ndarray, cp_size: int) -> np.ndarray:
-    """Local page of each global page id inside its lane: ``g // cp_size``."""
-    return global_pages_ // cp_size
-
-
-def global_pages(local_pages: np.ndarray, lane: int, cp_size: int) -> np.ndarray:
-    """Global ids of ``local_pages`` of ``lane``: ``local * cp_size + lane`` (int32)."""
-    return (local_pages.astype(np.int32) * cp_size + lane).astype(np.int32, copy=False)
 
 
 class LanePagePool:

@@ -5,9 +5,9 @@ Each node holds a run of pages (their chunk hashes and global page ids), so a
 sit on each lane; unlocked pages are evictable, and ``evict`` trims least
 recently used unlocked leaves that hold pages on the lanes that are short.
 
-Chunks are identified by a 64-bit hash of their tokens (as vLLM's block hashes
-are); the tree path supplies the prefix, so equal chunks under different
-prefixes never alias.
+Pages are identified by their keyed, chained 64-bit hashes (:mod:`cpkv.page_hash`);
+a page is looked up only among its parent's children, so the tree path is the
+chain as well.
 """
 
 from __future__ import annotations
@@ -17,63 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["EvictResult", "HashedTokens", "PrefixCache", "PrefixMatch", "hash_chunk", "hash_pages"]
-
-_MULTIPLIERS: dict[int, np.ndarray] = {}
-
-
-def _multipliers(page_size: int) -> np.ndarray:
-    m = _MULTIPLIERS.get(page_size)
-    if m is None:
-        rng = np.random.default_rng(0x6370_6B76 + page_size)
-        m = rng.integers(1, 2**63, size=page_size, dtype=np.uint64) | np.uint64(1)
-        _MULTIPLIERS[page_size] = m
-    return m
-
-
-def hash_pages(tokens: np.ndarray, page_size: int) -> np.ndarray:
-    """64-bit hash of every full page of ``tokens`` (int64 ``[n]``) -> uint64 ``[n // page_size]``.
-
-    A random odd multiplier per position, summed mod 2**64 (one integer matmul,
-    ~70 us for 128k tokens), then a xor-shift mix so nearby sums spread.
-    """
-    n = tokens.shape[0] // page_size
-    chunks = tokens[: n * page_size].view(np.uint64).reshape(n, page_size)
-    h = chunks @ _multipliers(page_size)
-    h ^= h >> np.uint64(31)
-    h *= np.uint64(0x9E3779B97F4A7C15)
-    h ^= h >> np.uint64(29)
-    return h
-
-
-@dataclass(slots=True, frozen=True)
-class HashedTokens:
-    """A chunk of token ids as the allocator needs them: page hashes and a short tail.
-
-    A client sends this instead of the ids (8 bytes a page instead of 8 a token).
-
-    Attributes:
-        num_tokens: tokens in the chunk.
-        prev_tail_len: tokens of the request's partial last page the hashes were
-            chained onto (0 for a new request).
-        hashes: ``uint64`` hashes of the pages that ``prev tail + chunk`` completes.
-        tail: ``int64`` tokens after the last completed page (< page_size).
-    """
-
-    num_tokens: int
-    prev_tail_len: int
-    hashes: np.ndarray
-    tail: np.ndarray
-
-
-def hash_chunk(prev_tail: np.ndarray, tokens: np.ndarray, page_size: int) -> HashedTokens:
-    """Hash the pages that ``tokens`` complete after a partial page ``prev_tail``."""
-    seq = np.concatenate([prev_tail, tokens]) if prev_tail.size else tokens
-    full = seq.shape[0] // page_size
-    hashes = hash_pages(seq, page_size) if full else np.empty(0, np.uint64)
-    return HashedTokens(
-        int(tokens.shape[0]), int(prev_tail.shape[0]), hashes, seq[full * page_size :].copy()
-    )
+__all__ = ["EvictResult", "PrefixCache", "PrefixMatch"]
 
 
 class _Node:

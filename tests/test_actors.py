@@ -141,17 +141,24 @@ def test_repeated_call_id_allocates_nothing_twice(make_client):
     coord = c._coord  # a retry after a lost reply resends the same call id
     ray = c._ray
     tokens = np.arange(40)
-    first = ray.get(coord.allocate_extend.remote(c._epoch, ("retry", 1), "r", tokens))
-    again = ray.get(coord.allocate_extend.remote(c._epoch, ("retry", 1), "r", tokens))
+    call = (c._epoch, c.client_id, ("retry", 1), "r", tokens, None)
+    first = ray.get(coord.allocate_extend.remote(*call))
+    again = ray.get(coord.allocate_extend.remote(*call))
     assert again.new_pages.tolist() == first.new_pages.tolist()
     assert c.stats()["extend_allocations"] == 1
-    # A lane apply repeated with the same (rid, seq) key changes nothing either.
+    # A lane move repeated with the same (generation, seq) changes nothing either.
     lane = c.lanes[0]
-    key = ("extend", "r", first.seq)
-    held = ray.get(lane.heartbeat.remote())[1]
+    info = ray.get(lane.info.remote())
+    gen, seq, held = info["generation"], info["last_seq"], info["held"]
+    assert seq >= 1
     page = np.array([30], dtype=np.int32)
     empty = np.empty(0, np.int32)
-    assert ray.get(lane.apply.remote(key, page, empty)) == held  # remembered answer
+    assert ray.get(lane.apply.remote(gen, seq, page, empty)) == held  # remembered answer
+    assert ray.get(lane.heartbeat.remote())[1] == held
+    with pytest.raises(Exception, match="expected"):  # a gap is refused, not applied
+        ray.get(lane.apply.remote(gen, seq + 2, page, empty))
+    with pytest.raises(Exception, match="generation"):
+        ray.get(lane.apply.remote("stale:1", seq + 1, page, empty))
     assert ray.get(lane.heartbeat.remote())[1] == held
     assert c.check()["ok"]
 

@@ -8,6 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
+import cpkv
 from cpkv import CPAllocator, InvalidRequestError, KVCapacityWaitError, LaneUnavailableError
 
 
@@ -159,7 +160,7 @@ def test_batch_rotation_from_most_free_lane_and_all_or_nothing():
     a.allocate_extend("w", [1, 2, 3])  # fallback: 2 pages, lanes 0 then 1
     assert a.stats()["free"] == [8, 8, 9]
     out = a.allocate_extend_batch([("b1", np.arange(10, 16)), ("b2", np.arange(20, 25))])
-    assert [o.fallback_reason for o in out] == ["multi_batch", "multi_batch"]
+    assert [o.fallback_reason for o in out] == ["extend_too_short", "extend_too_short"]
     lanes = np.concatenate([o.new_pages for o in out]) % 3
     assert lanes.tolist() == [2, 0, 1, 2, 0, 1]  # starts at lane 2 (most free)
     free = a.stats()["free"]
@@ -167,10 +168,26 @@ def test_batch_rotation_from_most_free_lane_and_all_or_nothing():
     before = a.stats()
     with pytest.raises(KVCapacityWaitError) as info:
         a.allocate_extend_batch([("c1", np.arange(100, 130)), ("c2", np.arange(200, 230))])
-    assert info.value.reason == "lane_exhausted"
+    assert info.value.reason == "owner_lane_exhausted"  # both qualify for their own plan
     assert sum(info.value.required_by_owner) == 30
     after = a.stats()
     assert after["free"] == before["free"] and after["num_requests"] == before["num_requests"]
+    a.check_invariants()
+
+
+def test_batch_plans_each_sequence_and_rotates_the_rest():
+    a = make(cp=2, ps=4, pages=40, reqs=8)
+    items = [("long1", np.arange(40)), ("short", [1, 2, 3]), ("long2", np.arange(100, 133))]
+    out = a.allocate_extend_batch(items)
+    for o, (_, toks) in zip(out, items, strict=True):
+        assert o.extend_len == len(toks)
+    long1, short, long2 = out
+    expect1 = cpkv.build_in_seq_page_compute_owners(40, 0, 4, 2)
+    assert long1.fallback_reason is None and long1.page_owners.tolist() == expect1.tolist()
+    assert (long1.new_pages % 2 == long1.page_owners).all()
+    assert long2.fallback_reason is None and (long2.new_pages % 2 == long2.page_owners).all()
+    assert short.fallback_reason == "extend_too_short" and short.page_owners is None
+    assert a.stats()["fallbacks_by_reason"] == {"extend_too_short": 1}
     a.check_invariants()
 
 
@@ -333,42 +350,3 @@ def test_metadata_is_small():
     assert per_page <= 16, per_page
 
 
-def test_hashed_chunks_decide_exactly_as_token_ids():
-    from cpkv.prefix_cache import hash_chunk
-
-    raw, hashed = make(cp=2, ps=4, pages=40, reqs=8), make(cp=2, ps=4, pages=40, reqs=8)
-    tails: dict = {}
-    rng = np.random.default_rng(3)
-    shared = rng.integers(0, 50, size=30)
-
-    def both_extend(rid, tokens):
-        prev = tails.get(rid, np.empty(0, np.int64))
-        chunk = hash_chunk(prev, tokens, 4)
-        a, b = raw.allocate_extend(rid, tokens), hashed.allocate_extend(rid, chunk)
-        tails[rid] = chunk.tail
-        assert a.new_pages.tolist() == b.new_pages.tolist()
-        assert a.out_cache_loc.tolist() == b.out_cache_loc.tolist()
-        assert a.cached_len == b.cached_len
-
-    for step in range(6):
-        rid = f"r{step}"
-        both_extend(rid, np.concatenate([shared, rng.integers(0, 50, size=7)]))
-        both_extend(rid, rng.integers(0, 50, size=int(rng.integers(1, 9))))
-        raw.free(rid)
-        hashed.free(rid)
-        assert raw.stats() == hashed.stats()
-    raw.check_invariants()
-    hashed.check_invariants()
-    assert raw.stats()["cached_tokens_hit"] > 0
-
-
-def test_stale_hashes_are_refused_with_state_unchanged():
-    from cpkv.errors import StaleTokenHashesError
-    from cpkv.prefix_cache import hash_chunk
-
-    a = make()
-    a.allocate_extend("r", np.arange(6))  # partial page of 2 tokens
-    before = a.stats()
-    with pytest.raises(StaleTokenHashesError, match="2"):
-        a.allocate_extend("r", hash_chunk(np.empty(0, np.int64), np.arange(4), 4))
-    assert a.stats() == before

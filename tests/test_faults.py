@@ -50,7 +50,9 @@ def test_killed_lane_fails_only_its_requests_and_comes_back(make_client):
     # Their pages on the other lanes were freed: 16 plan pages, 4 a lane.
     assert stats["free"][0] == before["free"][0] + 4
     assert stats["free"][2] == 31  # the lane is back, empty
-    # The lane is used again, and agrees with the mirror.
+    # The lane comes back (recovered off the coordinator's lock), is used again and
+    # agrees with the mirror.
+    wait_for(lambda: c.stats()["lane_states"] == ["up"] * 4)
     again = c.allocate_extend("again", np.arange(5000, 5064))
     assert (again.new_pages % 4 == 2).sum() == 4
     report = c.check()
@@ -109,7 +111,7 @@ def test_killed_coordinator_restarts_and_reports_requests_lost(make_client):
 
 @ray.remote
 class _HungCoordinator:
-    def hello(self):
+    def hello(self, client_id=None, lease_s=None):
         from cpkv import CPConfig, KVShape
 
         return {"epoch": "e", "config": CPConfig(2, 4, 8), "kv": KVShape(), "lanes": []}

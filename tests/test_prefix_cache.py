@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from cpkv.prefix_cache import PrefixCache, hash_pages
+from cpkv.page_hash import PageHasher
+from cpkv.prefix_cache import PrefixCache
+
+_HASHERS = {ps: PageHasher(ps, key=bytes(32)) for ps in (1, 2, 4)}
 
 
 def hashes(tokens, ps=2):
-    return hash_pages(np.asarray(tokens, dtype=np.int64), ps)
-
-
-def test_hash_pages_full_pages_only_and_content_sensitive():
-    h = hashes([1, 2, 3, 4, 5])
-    assert h.dtype == np.uint64 and h.shape == (2,)
-    assert h[0] != hashes([2, 1])[0]
-    assert hashes([1, 2, 3, 4])[1] == hashes([9, 9, 3, 4])[1]  # position in page only
+    h = _HASHERS[ps]
+    return h.hash_pages(np.asarray(tokens, dtype=np.int64), h.start())[0]
 
 
 def test_match_splits_and_insert_returns_duplicates():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable
 
 import numpy as np
 import ray
@@ -27,18 +26,18 @@ class LaneActor:
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self._shard = LaneShard(lane, num_pages, page_size, kv, device)
 
-    def apply(self, key: Hashable, taken: np.ndarray, released: np.ndarray) -> int:
-        return self._shard.apply(key, taken, released)
+    def apply(self, generation: str, seq: int, taken: np.ndarray, released: np.ndarray) -> int:
+        return self._shard.apply(generation, seq, taken, released)
 
-    def reset(self) -> str:
-        return self._shard.reset()
+    def reset(self, generation: str) -> str:
+        return self._shard.reset(generation)
 
     def heartbeat(self) -> tuple[str, int]:
         """``(incarnation, pages held)``; ordered after every earlier coordinator call."""
         return self._shard.incarnation, self._shard.num_held_pages
 
-    def store_kv(self, local_slots, k, v, layer: int = 0, key: Hashable = None) -> int:
-        return self._shard.store_kv(local_slots, k, v, layer, key)
+    def store_kv(self, local_slots, k, v, layer: int = 0) -> int:
+        return self._shard.store_kv(local_slots, k, v, layer)
 
     def gather_kv(self, local_slots, layer: int = 0):
         return self._shard.gather_kv(local_slots, layer)

@@ -8,6 +8,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cpkv._ray_env import NAMESPACE
 from cpkv.config import CPConfig, KVShape
 from cpkv.errors import InvalidRequestError
 
@@ -22,6 +23,7 @@ class LanePlacement:
 
     lanes: list
     placement_group: object
+    lane_names: list[str]
 
     def remove(self) -> None:
         for lane in self.lanes:
@@ -37,7 +39,7 @@ def place_lanes(
     num_cpus_per_lane: float = 0.25,
     strategy: str = "STRICT_PACK",
     timeout_s: float = 60.0,
-    name_prefix: str | None = None,
+    name_prefix: str,
     detached: bool = False,
 ) -> LanePlacement:
     """Reserve one bundle per lane and start a lane actor in each.
@@ -50,7 +52,8 @@ def place_lanes(
         num_cpus_per_lane: logical CPUs a lane reserves.
         strategy: placement-group strategy, one of :data:`STRATEGIES`.
         timeout_s: how long to wait for the bundles.
-        name_prefix: name the lane actors ``{prefix}lane{r}`` when given.
+        name_prefix: the lane actors are named ``{prefix}lane{r}`` (namespace ``cpkv``) and
+            the placement group ``{prefix}lanes``; the coordinator finds them by name.
         detached: outlive the creating driver.
 
     Raises:
@@ -75,6 +78,7 @@ def place_lanes(
     pg = placement_group(
         [dict(bundle) for _ in range(config.cp_size)],
         strategy=strategy,
+        name=f"{name_prefix}lanes",
         lifetime="detached" if detached else None,
     )
     try:
@@ -85,20 +89,21 @@ def place_lanes(
             f"placement group of {config.cp_size} x {bundle} ({strategy}) not ready after "
             f"{timeout_s}s; cluster resources: {ray.cluster_resources()}"
         ) from None
-    lanes = []
+    lanes, names = [], []
     for r in range(config.cp_size):
+        names.append(f"{name_prefix}lane{r}")
         opts = dict(
             num_cpus=num_cpus_per_lane,
             num_gpus=num_gpus_per_lane,
+            name=names[-1],
+            namespace=NAMESPACE,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=r
             ),
         )
-        if name_prefix is not None:
-            opts["name"] = f"{name_prefix}lane{r}"
         if detached:
             opts["lifetime"] = "detached"
         lanes.append(
             LaneActor.options(**opts).remote(r, config.num_pages_per_lane, config.page_size, kv)
         )
-    return LanePlacement(lanes, pg)
+    return LanePlacement(lanes, pg, names)

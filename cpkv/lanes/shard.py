@@ -1,27 +1,33 @@
 """LaneShard: one CP rank's KV memory and the record of which of its pages are held.
 
-The coordinator decides every page; the shard applies those decisions, checks
-they are consistent (a page is never taken twice nor released while free) and
-answers repeats of the same ``(rid, seq)`` key with the first answer.
+The coordinator decides every page; the shard applies those decisions in the
+order they were made. Each page move carries the lane's generation (bumped at
+every reset) and a sequence number: the shard checks the numbers are contiguous
+(a lost or reordered move is an error, not silent drift), answers a repeat with
+the first answer, and checks the move itself (a page is never taken twice nor
+released while free).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections import OrderedDict
-from collections.abc import Hashable
 
 import numpy as np
 import torch
 
 from cpkv.config import KVShape
 from cpkv.errors import InvalidRequestError
+from cpkv.reply_cache import ReplyCache
 
-__all__ = ["LaneShard"]
+__all__ = ["LaneShard", "MoveOrderError"]
 
-# Keys of recent operations remembered for idempotent retries; a retry comes
-# within a few calls of its original, so a few thousand is plenty.
-_MAX_REMEMBERED_KEYS = 4096
+# Replies to recent moves, for a repeat after a lost answer: a retry comes within a
+# few calls of its original, so a few thousand is plenty.
+_MAX_REMEMBERED_MOVES = 4096
+
+
+class MoveOrderError(RuntimeError):
+    """A page move arrived out of order or for another generation of this lane."""
 
 
 class LaneShard:
@@ -49,9 +55,11 @@ class LaneShard:
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(kv.num_layers)]
         self.incarnation = uuid.uuid4().hex
         self._held = np.zeros(num_pages, dtype=bool)
-        self._answers: OrderedDict[Hashable, object] = OrderedDict()
+        self._replies = ReplyCache(_MAX_REMEMBERED_MOVES)
+        # None until the coordinator resets this (re)started shard: moves are refused.
+        self.generation: str | None = None
+        self._next_seq = 1
         self.num_applied = 0
-        self.num_repeats = 0
 
     @property
     def num_held_pages(self) -> int:
@@ -62,36 +70,45 @@ class LaneShard:
     def num_free_pages(self) -> int:
         return self.num_pages - 1 - self.num_held_pages
 
-    def _remembered(self, key: Hashable) -> tuple[bool, object]:
-        if key is not None and key in self._answers:
-            self.num_repeats += 1
-            return True, self._answers[key]
-        return False, None
+    @property
+    def num_repeats(self) -> int:
+        return self._replies.num_hits
 
-    def _remember(self, key: Hashable, answer: object) -> object:
-        if key is not None:
-            self._answers[key] = answer
-            if len(self._answers) > _MAX_REMEMBERED_KEYS:
-                self._answers.popitem(last=False)
-        return answer
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the last move applied in this generation (0: none)."""
+        return self._next_seq - 1
 
-    def apply(self, key: Hashable, taken: np.ndarray, released: np.ndarray) -> int:
+    def apply(self, generation: str, seq: int, taken: np.ndarray, released: np.ndarray) -> int:
         """Release then take local pages, as the coordinator decided.
 
         Args:
-            key: ``(rid, seq)`` or another unique key; a repeat changes nothing.
+            generation: the lane generation the move was decided in (set by :meth:`reset`).
+            seq: the move's number in that generation: 1, 2, 3, ... with no gap.
             taken: ``int32`` local pages now held.
             released: ``int32`` local pages now free.
 
         Returns:
-            Pages held after the move.
+            Pages held after the move (a repeat returns the first answer, changing nothing).
 
         Raises:
+            MoveOrderError: another generation, or a sequence gap (a move was lost).
             AssertionError: the move contradicts this shard's record (a bug).
         """
-        seen, answer = self._remembered(key)
-        if seen:
-            return answer
+        if generation != self.generation:
+            raise MoveOrderError(
+                f"lane {self.lane}: move {seq} of generation {generation!r}, "
+                f"shard is at {self.generation!r}"
+            )
+        if seq < self._next_seq:
+            reply = self._replies.get(seq, None)
+            if reply is None:
+                raise MoveOrderError(f"lane {self.lane}: move {seq} repeated, reply forgotten")
+            return reply
+        if seq != self._next_seq:
+            raise MoveOrderError(
+                f"lane {self.lane}: move {seq} arrived, expected {self._next_seq} (a move was lost)"
+            )
         if released.size:
             assert self._held[released].all(), f"lane {self.lane}: releasing free pages"
             self._held[released] = False
@@ -99,13 +116,16 @@ class LaneShard:
             assert (taken != 0).all(), f"lane {self.lane}: reserved page taken"
             assert not self._held[taken].any(), f"lane {self.lane}: taking held pages"
             self._held[taken] = True
+        self._next_seq += 1
         self.num_applied += 1
-        return self._remember(key, self.num_held_pages)
+        return self._replies.put(seq, self.num_held_pages)
 
-    def reset(self) -> str:
-        """Every page free (the coordinator forgot this lane's pages); returns the incarnation."""
+    def reset(self, generation: str) -> str:
+        """Every page free, moves numbered from 1 in ``generation``; returns the incarnation."""
         self._held[:] = False
-        self._answers.clear()
+        self._replies.clear()
+        self.generation = generation
+        self._next_seq = 1
         return self.incarnation
 
     def _check_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -124,18 +144,17 @@ class LaneShard:
         k: torch.Tensor,
         v: torch.Tensor,
         layer: int = 0,
-        key: Hashable = None,
     ) -> int:
         """Write K/V ``[T, heads, head_dim]`` of ``T`` tokens at their local slots.
+
+        Writing is idempotent (the same values land on the same slots), so a
+        retried call needs no key.
 
         Returns:
             Tokens written.
         """
         from cpkv import kernels
 
-        seen, answer = self._remembered(key)
-        if seen:
-            return answer
         slots = torch.from_numpy(np.array(local_slots, dtype=np.int64))
         self._check_kv(layer, k, v, slots)
         if slots.numel():
@@ -154,7 +173,7 @@ class LaneShard:
             self.v[layer],
             slots.to(dev),
         )
-        return self._remember(key, int(slots.numel()))
+        return int(slots.numel())
 
     def gather_kv(
         self, local_slots: np.ndarray, layer: int = 0
@@ -175,5 +194,7 @@ class LaneShard:
             "held": self.num_held_pages,
             "free": self.num_free_pages,
             "applied": self.num_applied,
+            "generation": self.generation,
+            "last_seq": self.last_seq,
             "repeats": self.num_repeats,
         }

@@ -1,0 +1,42 @@
+"""RayLaneTransport: lane calls as Ray actor calls, Ray's errors as the channel's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from cpkv.lane_channel import LaneDeadError
+
+__all__ = ["RayLaneTransport"]
+
+
+class RayLaneTransport:
+    """Submits lane calls on the lanes' actor handles; results by ``ray.get``.
+
+    Args:
+        lanes: one lane actor handle per CP rank.
+    """
+
+    def __init__(self, lanes: list) -> None:
+        self.lanes = list(lanes)
+
+    def submit(self, lane: int, method: str, *args: Any) -> ray.ObjectRef:
+        return getattr(self.lanes[lane], method).remote(*args)
+
+    def result(self, handle: ray.ObjectRef, timeout: float) -> Any:
+        try:
+            return ray.get(handle, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"lane call unanswered after {timeout}s") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            raise LaneDeadError(f"{type(e).__name__}: {e}") from None
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+
+    def done(self, handles: list[ray.ObjectRef]) -> list[bool]:
+        if not handles:
+            return []
+        ready, _ = ray.wait(handles, num_returns=len(handles), timeout=0)
+        ready_set = set(ready)
+        return [h in ready_set for h in handles]

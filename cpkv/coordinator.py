@@ -1,0 +1,354 @@
+"""Coordinator: the decision core, its line to the lanes, lane health and client leases.
+
+This is the plain class behind :class:`cpkv.actors.CoordinatorActor` (which only
+delegates to it), so tests drive it without Ray through a transport of plain
+lane objects. It answers every call from its exact mirror of the lanes (the
+core) and queues each touched lane's page moves on the :class:`LaneChannel`
+without waiting; :class:`LaneHealth` watches the lanes and brings lost ones back
+off the lock; a :class:`LeaseTable` frees the requests of clients that went silent.
+
+Answers are values or :class:`cpkv.CPKVError` instances (returned, not raised, so
+they cross Ray as themselves and can be remembered for a retried call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from cpkv.allocator import CPAllocator
+from cpkv.config import CPConfig, KVShape
+from cpkv.errors import CoordinatorUnavailableError, CPKVError, LeaseExpiredError
+from cpkv.lane_channel import LaneChannel, LaneTransport
+from cpkv.lane_health import RESTARTING, LaneHealth
+from cpkv.leases import LeaseTable
+from cpkv.reply_cache import ReplyCache
+
+__all__ = ["Coordinator"]
+
+logger = logging.getLogger("cpkv.coordinator")
+
+# Replies kept for client calls retried after a lost answer.
+_MAX_REMEMBERED_CALLS = 1024
+# Page moves in flight before a caller waits for the oldest (back-pressure).
+_MAX_PENDING_MOVES = 2048
+
+
+class Coordinator:
+    """Owns the pool's decisions and keeps the lanes in line with them.
+
+    Args:
+        config: pool shape.
+        kv: KV tensor shape of the lanes.
+        transport: how lane calls are made (Ray actors, or plain objects in tests).
+        heartbeat_s: seconds between heartbeats and lease checks (0: none; call
+            :meth:`heartbeat_once` and :meth:`expire_leases` yourself).
+        lane_restart_timeout_s: how long a lost lane may take to come back.
+        clock: monotonic seconds (tests step it).
+    """
+
+    def __init__(
+        self,
+        config: CPConfig,
+        kv: KVShape,
+        transport: LaneTransport,
+        *,
+        heartbeat_s: float = 1.0,
+        lane_restart_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.epoch = uuid.uuid4().hex
+        self._clock = clock
+        self._timeout_s = lane_restart_timeout_s
+        self._lock = threading.RLock()
+        self._channel = LaneChannel(transport, config.cp_size, self.epoch)
+        self._health = LaneHealth(
+            self._channel,
+            self._lock,
+            on_lost=self._on_lane_lost,
+            on_back=self._on_lane_back,
+            restart_timeout_s=lane_restart_timeout_s,
+        )
+        self._leases = LeaseTable()
+        self._on_pool_change: list[Callable[[], None]] = []
+        self._stop = threading.Event()
+        self.reset()
+        if heartbeat_s > 0:
+            threading.Thread(
+                target=self._heartbeat_loop, args=(heartbeat_s,), daemon=True, name="cpkv-heartbeat"
+            ).start()
+
+    # ------------------------------------------------------------------ setup
+    def hello(self, client_id: str | None = None, lease_s: float | None = None) -> dict:
+        """The pool's identity and shape; opens ``client_id``'s lease when given."""
+        if client_id is not None and lease_s is not None:
+            with self._lock:
+                self._leases.open(client_id, lease_s, self._clock())
+        return {"epoch": self.epoch, "config": self.config, "kv": self.kv}
+
+    def reset(self) -> None:
+        """Forget every request and cached page; every lane back to an empty shard."""
+        with self._lock:
+            self._core = CPAllocator.from_config(self.config, record_page_moves=True)
+            self._replies = ReplyCache(_MAX_REMEMBERED_CALLS)
+            self._leases.forget_requests()
+            self._health.losses.clear()
+            self._health.mismatches = 0
+            for lane in range(self.config.cp_size):
+                self._core.set_lane_available(lane, False)
+        self._health.reset_all()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._channel.close()
+
+    # ------------------------------------------------------------- the calls
+    def allocate_extend(
+        self, epoch: str, client_id: str | None, call_id: Hashable, rid, tokens, cache_salt=None
+    ) -> Any:
+        def run():
+            alloc = self._core.allocate_extend(rid, tokens, cache_salt=cache_salt)
+            self._leases.hold(client_id, alloc.rid)
+            return alloc
+
+        return self._call(epoch, client_id, call_id, "extend", run)
+
+    def allocate_extend_batch(
+        self, epoch: str, client_id: str | None, call_id: Hashable, items, cache_salt=None
+    ) -> Any:
+        def run():
+            allocs = self._core.allocate_extend_batch(items, cache_salt=cache_salt)
+            for a in allocs:
+                self._leases.hold(client_id, a.rid)
+            return allocs
+
+        return self._call(epoch, client_id, call_id, "batch", run)
+
+    def allocate_decode(
+        self, epoch: str, client_id: str | None, call_id: Hashable, rids, token_ids
+    ) -> Any:
+        return self._call(
+            epoch,
+            client_id,
+            call_id,
+            "decode",
+            lambda: self._core.allocate_decode(rids, token_ids),
+        )
+
+    def free(
+        self,
+        epoch: str,
+        client_id: str | None,
+        call_id: Hashable,
+        rid,
+        cache: bool = True,
+        committed_len: int | None = None,
+    ) -> Any:
+        def run():
+            freed = self._core.free(rid, cache, committed_len)
+            self._leases.release(rid)
+            return freed
+
+        return self._call(epoch, client_id, call_id, "free", run)
+
+    def renew_lease(self, client_id: str) -> bool:
+        """Push the client's lease out; False when it has none (lapsed, or a new coordinator)."""
+        with self._lock:
+            return self._leases.renew(client_id, self._clock())
+
+    def close_lease(self, client_id: str) -> int:
+        """End a client's lease and free the requests it still holds; returns how many."""
+        with self._lock:
+            rids = self._leases.close(client_id)
+            self._free_quietly(rids)
+            self._dispatch("lease")
+            return len(rids)
+
+    def expire_leases(self) -> int:
+        """Free the requests of every client whose lease lapsed; returns how many."""
+        with self._lock:
+            lapsed = self._leases.expire(self._clock())
+            freed = 0
+            for client_id, rids in lapsed.items():
+                logger.warning(
+                    "client %s stopped renewing its lease: freeing its %d requests",
+                    client_id,
+                    len(rids),
+                )
+                self._free_quietly(rids)
+                freed += len(rids)
+            if freed:
+                self._dispatch("lease")
+            return freed
+
+    def report_lane_failure(self, epoch: str, lane: int, detail: str = "") -> Any:
+        """A client saw ``lane`` fail: confirm with a probe; return the rids lost with it."""
+        if epoch != self.epoch:
+            return self._restarted(epoch)
+        if not self._health.probe(lane, self._timeout_s):
+            with self._lock:
+                self._health.fail(lane, detail or "reported by a client")
+        with self._lock:
+            return self._core.lost_rids(lane)
+
+    # ---------------------------------------------------------------- status
+    def stats(self) -> dict:
+        """Per-lane counts, counters and lane health; never waits for a lane."""
+        with self._lock:
+            self._health.fail_moves()
+            out = self._core.stats()
+            out["epoch"] = self.epoch
+            out["mirror_mismatches"] = self._health.mismatches
+            out["slow_heartbeats"] = self._health.slow_heartbeats
+            out["lane_losses"] = [[lane, len(rids)] for lane, rids in self._health.losses]
+            out["lane_states"] = list(self._health.states)
+            out["restarting_lanes"] = self._health.lanes_in(RESTARTING)
+            out["dead_lanes"] = self._health.lanes_in("dead")
+            out["lane_calls"] = self._channel.num_calls
+            out["lane_calls_by_op"] = dict(self._channel.num_moves_by_op)
+            out["pending_lane_calls"] = self._channel.num_pending
+            out["num_leases"] = self._leases.num_leases
+            out["leases_expired"] = self._leases.num_expired_requests
+            out["leases_lapsed"] = self._leases.num_expired_leases
+            return out
+
+    def check(self) -> dict:
+        """Core invariants, and each serving lane's own count against the mirror.
+
+        Waits for the serving lanes only (a lane that is restarting is reported as such).
+        """
+        with self._lock:
+            self._health.fail_moves()
+            problems = []
+            try:
+                self._core.check_invariants()
+            except AssertionError as e:
+                problems.append(f"core: {e}")
+            expected = self._held_per_lane()
+            for lane in range(self.config.cp_size):
+                if not self._health.is_up(lane):
+                    problems.append(f"lane {lane}: {self._health.states[lane]}")
+            sent = {
+                r: (self._health.incarnations[r], self._channel.submit(r, "heartbeat"))
+                for r in range(self.config.cp_size)
+                if self._health.is_up(r)
+            }
+        for r, (known, future) in sent.items():
+            try:
+                incarnation, held = self._channel.result(future, self._timeout_s)
+            except Exception as e:  # a dead lane is a finding here, not a crash
+                problems.append(f"lane {r}: {type(e).__name__}")
+                continue
+            if incarnation != known:
+                problems.append(f"lane {r}: restarted and not yet recovered")
+            elif held != expected[r]:
+                problems.append(f"lane {r}: holds {held} pages, mirror says {expected[r]}")
+        return {"ok": not problems, "problems": problems, "held": expected}
+
+    def heartbeat_once(self) -> None:
+        """One heartbeat round (the background loop calls this every ``heartbeat_s``)."""
+        self._health.heartbeat(self._held_per_lane_locked, max(5.0, self._timeout_s))
+
+    def wait_recovered(self, timeout: float) -> bool:
+        """Wait for lane recoveries in flight (tests)."""
+        return self._health.wait_recovered(timeout)
+
+    def lane_states(self) -> list[str]:
+        with self._lock:
+            return list(self._health.states)
+
+    def on_pool_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (under the lock) whenever a lane comes back after a reset."""
+        self._on_pool_change.append(callback)
+
+    # ------------------------------------------------------------- internals
+    def _restarted(self, epoch: str) -> CoordinatorUnavailableError:
+        return CoordinatorUnavailableError(
+            f"coordinator restarted (epoch {str(epoch)[:8]} is gone, now {self.epoch[:8]})"
+        )
+
+    def _call(
+        self,
+        epoch: str,
+        client_id: str | None,
+        call_id: Hashable,
+        op: str,
+        run: Callable[[], Any],
+    ) -> Any:
+        if epoch != self.epoch:
+            return self._restarted(epoch)
+        with self._lock:
+            if call_id is not None and call_id in self._replies:
+                return self._replies.get(call_id)
+            lapsed = self._lapse_notice(client_id)
+            if lapsed is not None:
+                return lapsed
+            self._health.fail_moves()
+            try:
+                answer = run()
+            except CPKVError as e:
+                answer = e
+            self._dispatch(op)
+            if call_id is not None:
+                self._replies.put(call_id, answer)
+        if self._channel.num_pending > _MAX_PENDING_MOVES:
+            self._channel.wait_oldest(self._timeout_s)  # back-pressure, without the lock
+        return answer
+
+    def _lapse_notice(self, client_id: str | None) -> LeaseExpiredError | None:
+        """Renew the caller's lease; if it had lapsed, reopen it and say what was freed."""
+        if client_id is None:
+            return None
+        now = self._clock()
+        if self._leases.renew(client_id, now):
+            return None
+        rids = self._leases.reopen_lapsed(client_id, now)
+        return None if rids is None else LeaseExpiredError(rids)
+
+    def _free_quietly(self, rids: list[Hashable]) -> None:
+        for rid in rids:
+            self._leases.release(rid)
+            with contextlib.suppress(CPKVError):  # freed meanwhile
+                self._core.free(rid, cache=False)
+
+    def _dispatch(self, op: str) -> None:
+        """Queue each lane its page moves (the lanes apply them in this order)."""
+        for r, (taken, released) in enumerate(self._core.drain_page_moves()):
+            if taken.size or released.size:
+                self._channel.send_moves(r, taken, released, op)
+
+    def _held_per_lane(self) -> list[int]:
+        free = self._core.num_free_pages_per_lane()
+        return (self.config.num_pages_per_lane - 1 - free).tolist()
+
+    def _held_per_lane_locked(self) -> list[int]:
+        # NOTE: LaneHealth calls this with the lock held.
+        return self._held_per_lane()
+
+    def _on_lane_lost(self, lane: int, why: str) -> list[Hashable]:
+        del why
+        lost = self._core.drop_lane(lane)
+        self._core.set_lane_available(lane, False)
+        self._dispatch("lane_lost")
+        # NOTE: leases keep the lost rids until freed: an expiry acknowledges them too.
+        return lost
+
+    def _on_lane_back(self, lane: int) -> None:
+        self._core.set_lane_available(lane, True)
+        for callback in self._on_pool_change:
+            callback()
+
+    def _heartbeat_loop(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            try:
+                self.heartbeat_once()
+                self.expire_leases()
+            except Exception:
+                logger.exception("heartbeat failed")

@@ -1,0 +1,180 @@
+"""LaneChannel: the coordinator's ordered line to its lanes, with the replies still pending.
+
+Every lane call the coordinator makes goes through one sender thread, in the
+order the calls were queued, so each lane receives its page moves in decision
+order (Ray keeps one caller's calls to an actor in order) and the coordinator
+answers its caller without waiting for the submissions. Page moves carry the
+lane's generation and a per-lane sequence number; the lane checks them.
+
+The channel speaks to lanes through a :class:`LaneTransport` (Ray actors in
+:mod:`cpkv.actors.transport`, plain objects in tests), so it runs without Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["LaneChannel", "LaneDeadError", "LaneTransport"]
+
+
+class LaneDeadError(RuntimeError):
+    """The lane's actor died or is restarting: its reply will never come."""
+
+
+class LaneTransport(Protocol):
+    """How lane calls are made: submitted without waiting, their results fetched later."""
+
+    def submit(self, lane: int, method: str, *args: Any) -> Any:
+        """Start ``method(*args)`` on ``lane``; return a handle to its result (never blocks)."""
+
+    def result(self, handle: Any, timeout: float) -> Any:
+        """The call's result. Raises LaneDeadError, TimeoutError, or the lane's own error."""
+
+    def done(self, handles: list[Any]) -> list[bool]:
+        """Which of ``handles`` have a result now (never blocks)."""
+
+
+_STOP = object()
+
+
+class LaneChannel:
+    """Ordered submission of lane calls and tracking of the page moves in flight.
+
+    Args:
+        transport: how calls reach the lanes.
+        cp_size: number of lanes.
+        epoch: the coordinator's id; generations are ``"{epoch}:{n}"``, unique for the
+            coordinator's lifetime (and across its restarts).
+    """
+
+    def __init__(self, transport: LaneTransport, cp_size: int, epoch: str) -> None:
+        self._transport = transport
+        self.cp_size = cp_size
+        self._epoch = epoch
+        self._gen_numbers = itertools.count(1)
+        self.generations: list[str | None] = [None] * cp_size
+        self._next_seq = [1] * cp_size
+        # (lane, generation, seq, handle future) of moves not yet seen answered.
+        self._pending: deque[tuple[int, str, int, Future]] = deque()
+        self._pending_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.num_calls = 0
+        self.num_moves_by_op: dict[str, int] = {}
+        self._sender = threading.Thread(target=self._send_loop, daemon=True, name="cpkv-sender")
+        self._sender.start()
+
+    # ------------------------------------------------------------- submitting
+    def new_generation(self, lane: int) -> str:
+        """Start a new generation of ``lane`` (it is being reset): moves count from 1 again,
+        and moves of the old generation no longer matter."""
+        gen = f"{self._epoch}:{next(self._gen_numbers)}"
+        self.generations[lane] = gen
+        self._next_seq[lane] = 1
+        with self._pending_lock:
+            self._pending = deque(p for p in self._pending if p[0] != lane)
+        return gen
+
+    def send_moves(self, lane: int, taken: np.ndarray, released: np.ndarray, op: str) -> int:
+        """Queue one page move for ``lane``; returns its sequence number.
+
+        NOTE: callers queue moves in decision order (under the coordinator's lock);
+        the sender keeps that order.
+        """
+        gen = self.generations[lane]
+        assert gen is not None, f"lane {lane} has no generation yet"
+        seq = self._next_seq[lane]
+        self._next_seq[lane] = seq + 1
+        future: Future = Future()
+        with self._pending_lock:
+            self._pending.append((lane, gen, seq, future))
+        self._outbox.put((lane, "apply", (gen, seq, taken, released), future))
+        self.num_calls += 1
+        self.num_moves_by_op[op] = self.num_moves_by_op.get(op, 0) + 1
+        return seq
+
+    def submit(self, lane: int, method: str, *args: Any) -> Future:
+        """Queue any lane call behind those already queued; a future of its handle."""
+        future: Future = Future()
+        self._outbox.put((lane, method, args, future))
+        return future
+
+    def call(self, lane: int, method: str, *args: Any, timeout: float) -> Any:
+        """Queue a lane call and wait for its result (never call this holding a lock
+        that the caller's other threads need)."""
+        handle = self.submit(lane, method, *args).result(timeout=timeout)
+        return self._transport.result(handle, timeout)
+
+    def result(self, future: Future, timeout: float) -> Any:
+        """The result of a call queued with :meth:`submit`."""
+        return self._transport.result(future.result(timeout=timeout), timeout)
+
+    # ---------------------------------------------------------------- replies
+    def poll(self) -> list[tuple[int, BaseException]]:
+        """Forget the moves answered by now; return ``(lane, error)`` of those that failed
+        in their lane's current generation. Never blocks."""
+        with self._pending_lock:
+            submitted = [p for p in self._pending if p[3].done()]
+        if not submitted:
+            return []
+        finished, errors = [], []
+        handles = [(p, p[3].result()) for p in submitted if p[3].exception() is None]
+        for p in submitted:
+            if p[3].exception() is not None:
+                finished.append(p)
+                errors.append((p, p[3].exception()))
+        done = self._transport.done([h for _, h in handles]) if handles else []
+        for (p, handle), is_done in zip(handles, done, strict=True):
+            if not is_done:
+                continue
+            finished.append(p)
+            try:
+                self._transport.result(handle, 0.0)
+            except Exception as e:  # any failure: the lane diverged from the mirror
+                errors.append((p, e))
+        failures = [(p[0], e) for p, e in errors if p[1] == self.generations[p[0]]]
+        ids = {id(p) for p in finished}
+        with self._pending_lock:
+            self._pending = deque(p for p in self._pending if id(p) not in ids)
+        return failures
+
+    @property
+    def num_pending(self) -> int:
+        with self._pending_lock:
+            return len(self._pending)
+
+    def wait_oldest(self, timeout: float) -> None:
+        """Block until the oldest move in flight is answered (back-pressure), or ``timeout``."""
+        with self._pending_lock:
+            if not self._pending:
+                return
+            future = self._pending[0][3]
+        with contextlib.suppress(Exception):  # poll() reports failures; here we only wait
+            self._transport.result(future.result(timeout=timeout), timeout)
+
+    def close(self) -> None:
+        """Stop the sender thread (queued calls are still submitted first)."""
+        self._outbox.put(_STOP)
+
+    # ---------------------------------------------------------------- sender
+    def _send_loop(self) -> None:
+        submit: Callable[..., Any] = self._transport.submit
+        while True:
+            item = self._outbox.get()
+            if item is _STOP:
+                return
+            lane, method, args, future = item
+            try:
+                handle = submit(lane, method, *args)
+            except Exception as e:  # a submission error surfaces like a failed call
+                future.set_exception(e)
+                continue
+            future.set_result(handle)
