@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 
 import pytest
 import torch
@@ -396,6 +397,7 @@ def test_llama_3_2_1b_preset_equals_its_config_json():
     rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config)
     assert torch.equal(rope_inv_freq(preset), rotary.inv_freq)
     assert hash(preset) == hash(ModelConfig.llama_3_2_1b())
+    assert pickle.loads(pickle.dumps(preset)) == preset  # travels to Ray actors
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -161,7 +161,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = _DEFAULT_ROPE_THETA
     # NOTE: a dict is unhashable; leaving it out of the hash keeps the config hashable
-    # (equal configs still hash equal: they agree on every other field).
+    # (equal configs still hash equal: they agree on every other field). It is a validated
+    # private copy: treat it as read-only.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False

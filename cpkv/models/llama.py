@@ -48,6 +48,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
     Returns:
         fp32 CPU ``[head_dim // 2]``.
+
+    NOTE: transformers computes these on the device its rotary module is built on; built under
+    a CUDA device context they differ from the CPU values by an ulp, while ``from_pretrained``
+    (also with a CUDA ``device_map``) gives the CPU values, bit-equal to these.
     """
     dim, base = config.head_dim, config.rope_theta
     # NOTE: same expression, dtype and device as transformers' rope init functions (fp32 on
@@ -294,7 +298,7 @@ class LlamaModel:
         Returns:
             The model.
         """
-        return cls(config, random_weights(config, seed), device)
+        return cls(config, random_weights(config, seed, dtype=config.dtype), device)
 
     def to(
         self, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None

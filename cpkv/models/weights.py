@@ -91,7 +91,13 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_weights(config: ModelConfig, seed: int, *, std: float = 0.02) -> dict[str, torch.Tensor]:
+def random_weights(
+    config: ModelConfig,
+    seed: int,
+    *,
+    std: float = 0.02,
+    dtype: str | torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
     """Deterministic random weights for ``config``, drawn on the CPU in fp32.
 
     Matrices, embeddings and biases are ``N(0, std^2)``; RMSNorm weights are ones. The values
@@ -101,17 +107,24 @@ def random_weights(config: ModelConfig, seed: int, *, std: float = 0.02) -> dict
         config: the architecture.
         seed: the generator seed.
         std: the normal's standard deviation.
+        dtype: each tensor is cast to this right after it is drawn (the fp32 draw is the same
+            whatever the dtype; only one fp32 tensor exists at a time).
 
     Returns:
-        ``{name: fp32 CPU tensor}`` in :func:`parameter_shapes` order.
+        ``{name: CPU tensor}`` in :func:`parameter_shapes` order.
+
+    Raises:
+        ValueError: an unsupported dtype.
     """
+    target = torch_dtype(dtype)
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     out: dict[str, torch.Tensor] = {}
     for name, shape in parameter_shapes(config).items():
         if name.endswith("norm.weight"):
-            out[name] = torch.ones(shape, dtype=torch.float32)
+            out[name] = torch.ones(shape, dtype=target)
         else:
-            out[name] = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            drawn = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            out[name] = drawn.to(target)
     return out
 
 
