@@ -208,6 +208,9 @@ def paged_partial_attention(
         offs = torch.arange(ps, device=q.device)
         kpos = (page_pos[p0:p1].to(torch.int64)[:, None] + offs).reshape(-1)
         kvalid = (offs[None, :] < page_len[p0:p1].to(torch.int64)[:, None]).reshape(-1)
+        # NOTE: slots past a page's length may hold anything (NaN included); p there is 0, but
+        # 0 * NaN is NaN, so their values never reach the product.
+        v = v.masked_fill(~kvalid[:, None, None], 0.0)
         k = k.repeat_interleave(group, dim=1)  # [K, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         qb = q[q0:q1].float()
@@ -231,7 +234,8 @@ def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Ten
 
     Args:
         outs: ``[L, T, H, D]`` partial outputs (each normalised over its own keys).
-        lses: ``fp32 [L, T, H]`` their log-sum-exps (``-inf``: that part saw no key).
+        lses: ``fp32 [L, T, H]`` their log-sum-exps (``-inf``: that part saw no key; its
+            output is ignored).
 
     Returns:
         ``(out, lse)``: fp32 ``[T, H, D]`` and ``[T, H]``, exactly the attention over the
@@ -242,6 +246,8 @@ def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Ten
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp(lses - m_safe[None])  # 0 for -inf parts
     s = w.sum(dim=0)  # [T, H]
-    out = (w[..., None] * outs.float()).sum(dim=0) / s.clamp(min=1e-30)[..., None]
+    # A part that saw no key (w == 0) adds nothing, whatever its output holds.
+    parts = torch.where(w[..., None] > 0, w[..., None] * outs.float(), 0.0)
+    out = parts.sum(dim=0) / s.clamp(min=1e-30)[..., None]
     lse = torch.where(s > 0, m_safe + torch.log(s.clamp(min=1e-30)), torch.full_like(s, -torch.inf))
     return out, lse
