@@ -1,13 +1,14 @@
 """CP attention on the lanes vs single-device attention: plan, groups, both exchange modes.
 
-Multi-lane cases run in processes spawned with torch.multiprocessing (no Ray), gloo on
-127.0.0.1, one spawned group per world size running every case, so the file stays fast. Each
-lane builds its shard as earlier steps would have left it (the cached prefix written at its
-slots, unused pages filled with NaN so a stray read or write shows), runs
+Multi-lane cases run in 4 processes spawned once with torch.multiprocessing (no Ray), gloo on
+127.0.0.1: they form groups of 4, 3 and 2 lanes one after another, each running every case,
+then rebuild a group of 4 on a fresh port (as a restarted lane forces), so the file stays fast.
+Each lane builds its shard as earlier steps would have left it (the cached prefix written at
+its slots, unused pages filled with NaN so a stray read or write shows), runs
 :class:`cpkv.lanes.attention.CPAttention` on the tokens it owns, and checks its outputs against
 ``scaled_dot_product_attention`` over the whole sequence (fp32, causal) and its shard against
-the K/V every position of its pages must hold. World size 1 runs in this process. With a
-GPU, every lane's shards and tensors are CUDA tensors on it (gloo stages them through the host).
+the K/V every position of its pages must hold. World size 1 runs in this process. With a GPU,
+every lane's shards and tensors are CUDA tensors on it (gloo stages them through the host).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ GROUP_TIMEOUT_S = 60.0
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-# --- cases (built in the parent, pickled to the lanes) ---
+# --- cases (deterministic: every lane builds the same list) ---
 
 
 @dataclass(frozen=True)
