@@ -203,7 +203,10 @@ if HAS_TRITON:
             page = tl.load(page_table_ptr + rows // PAGE_SIZE).to(tl.int64)
             slot = (page * PAGE_SIZE + rows % PAGE_SIZE) * KV_ROW
             kv_off = slot[:, None] + kv_base[None, :]
-            k = tl.load(k_ptr + kv_off, mask=d_ok[None, :])
+            if BLOCK_D == HEAD_DIM:  # no mask at all: plain (pipelined) row copies
+                k = tl.load(k_ptr + kv_off)
+            else:
+                k = tl.load(k_ptr + kv_off, mask=d_ok[None, :])
             if UPCAST:
                 k = k.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -211,7 +214,10 @@ if HAS_TRITON:
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_off, mask=d_ok[None, :])
+            if BLOCK_D == HEAD_DIM:
+                v = tl.load(v_ptr + kv_off)
+            else:
+                v = tl.load(v_ptr + kv_off, mask=d_ok[None, :])
             if UPCAST:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None]
