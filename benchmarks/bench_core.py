@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from cpkv import CPAllocator, build_in_seq_page_compute_owners
+from cpkv.page_hash import PageHasher
 
 
 def loop_owners(extend_len: int, page_size: int, cp_size: int) -> list[int]:
@@ -67,6 +68,52 @@ def bench_cycles(cache: bool, materialize: bool, seconds: float = 2.0) -> float:
     return rate
 
 
+def old_public_hash(tokens: np.ndarray, page_size: int) -> np.ndarray:
+    """The hash cpkv used before: linear in the tokens, multipliers fixed in the source
+    (forgeable; kept here only as the speed baseline)."""
+    rng = np.random.default_rng(0x6370_6B76 + page_size)
+    m = rng.integers(1, 2**63, size=page_size, dtype=np.uint64) | np.uint64(1)
+    n = tokens.shape[0] // page_size
+    h = tokens[: n * page_size].view(np.uint64).reshape(n, page_size) @ m
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(0x9E3779B97F4A7C15)
+    h ^= h >> np.uint64(29)
+    return h
+
+
+def chained_digest(tokens: np.ndarray, page_size: int, algo: str) -> list[bytes]:
+    """One hashlib digest per page chained on its parent's (vLLM's sha256 scheme, minus
+    its pickling): the cryptographic alternative."""
+    import hashlib
+
+    data = tokens.tobytes()
+    step = page_size * 8
+    prev, out = b"salt", []
+    for i in range(tokens.shape[0] // page_size):
+        h = hashlib.new(algo, prev)
+        h.update(data[i * step : (i + 1) * step])
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def bench_page_identity() -> dict:
+    """Identify a 128k-token prompt: every page's hash, one core."""
+    tokens = np.random.default_rng(2).integers(0, 150_000, size=128 * 1024, dtype=np.int64)
+    out = {}
+    for ps in (64, 16):
+        hasher = PageHasher(ps)
+        start = hasher.start()
+        keyed = lambda h=hasher, s=start: h.hash_pages(tokens, s)
+        out[f"keyed_ps{ps}_ms"] = best_of(keyed, 5, 20) * 1e3
+        old = lambda p=ps: old_public_hash(tokens, p)
+        out[f"old_public_ps{ps}_ms"] = best_of(old, 5, 20) * 1e3
+        for algo in ("sha256", "blake2b"):
+            t = best_of(lambda a=algo, p=ps: chained_digest(tokens, p, a), 3, 3)
+            out[f"{algo}_chain_ps{ps}_ms"] = t * 1e3
+    return out
+
+
 def bench_metadata() -> float:
     cp, ps, pages = 8, 64, 4096
     a = CPAllocator(cp, ps, num_pages_per_lane=pages, max_reqs=64, max_context_len=1 << 21)
@@ -103,6 +150,15 @@ def main() -> None:
         print(
             f"allocate_extend+free, 128k tokens, cp 8, cache={cache!s:5} "
             f"materialize slots={mat!s:5}: {rate:8.0f} cycles/s (target >= 2000)"
+        )
+    res["page_identity"] = pid = bench_page_identity()
+    for ps in (64, 16):
+        print(
+            f"identify a 128k-token prompt, page {ps}: keyed chained hash "
+            f"{pid[f'keyed_ps{ps}_ms']:.2f} ms (target <= 1 ms) vs old public linear hash "
+            f"{pid[f'old_public_ps{ps}_ms']:.2f} ms, sha256 chain "
+            f"{pid[f'sha256_chain_ps{ps}_ms']:.2f} ms, blake2b chain "
+            f"{pid[f'blake2b_chain_ps{ps}_ms']:.2f} ms"
         )
     res["metadata_bytes_per_page"] = bench_metadata()
     print(

@@ -135,6 +135,7 @@ def connect(
     client = CPKVClient(
         coordinator, timeout_s=timeout_s, placement=placement, owns_ray=started, lease_s=lease_s
     )
+    client.name = name
     if client.config != config and placement is None:
         client.shutdown()
         raise InvalidRequestError(
@@ -223,6 +224,7 @@ class CPKVClient:
         self.lanes: list = hello["lanes"]
         self.lane_names: list[str] = hello.get("lane_names", [])
         self._lease = _LeaseKeeper(self, lease_s) if lease_s is not None else None
+        self.name: str | None = None  # the coordinator's actor name, when known
 
     @property
     def owns_pool(self) -> bool:

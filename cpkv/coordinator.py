@@ -132,7 +132,7 @@ class Coordinator:
         return self._call(epoch, client_id, call_id, "batch", run)
 
     def allocate_decode(
-        self, epoch: str, client_id: str | None, call_id: Hashable, rids, token_ids
+        self, epoch: str, client_id: str | None, call_id: Hashable, rids, token_ids=None
     ) -> Any:
         return self._call(
             epoch,

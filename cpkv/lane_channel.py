@@ -17,7 +17,6 @@ import itertools
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -166,14 +165,13 @@ class LaneChannel:
 
     # ---------------------------------------------------------------- sender
     def _send_loop(self) -> None:
-        submit: Callable[..., Any] = self._transport.submit
         while True:
             item = self._outbox.get()
             if item is _STOP:
                 return
             lane, method, args, future = item
             try:
-                handle = submit(lane, method, *args)
+                handle = self._transport.submit(lane, method, *args)
             except Exception as e:  # a submission error surfaces like a failed call
                 future.set_exception(e)
                 continue

@@ -7,8 +7,9 @@ without the key, two different pages collide with probability 2**-64 whatever
 the attacker chose, even one who has read this code (vLLM's CVE-2025-25183 was a
 public, unkeyed hash; the one cpkv had before was public and linear).
 
-Construction, per page of ``P`` tokens seen as ``2P`` 32-bit words ``m_i``
-(the halves of each int64 id, so any id is covered):
+Construction, per page of ``P`` tokens seen as 32-bit words ``m_i`` (each id is
+one word when every id of the call is below 2**32, as vocabulary ids are; otherwise
+both halves of every int64 id are words, with keys of their own):
 
     c = ((k0 + sum_i k_i * m_i) mod 2**64) >> 32     (twice, independent keys: 64 bits)
 
@@ -60,12 +61,13 @@ class PageHasher:
         self.page_size = page_size
         self._key = secrets.token_bytes(32) if key is None else bytes(key)
         assert len(self._key) >= 16, "key too short"
-        words = 2 * page_size
         seed = hashlib.blake2b(self._key, digest_size=64, person=b"cpkv-page-keys").digest()
         rng = np.random.Generator(np.random.PCG64(int.from_bytes(seed, "little")))
-        # [2P + 1, 2]: a multiplier per 32-bit word and an additive key, for each half.
-        self._mult = rng.integers(0, 2**64, size=(words, 2), dtype=np.uint64, endpoint=False)
-        self._add = rng.integers(0, 2**64, size=2, dtype=np.uint64, endpoint=False)
+        draw = lambda *shape: rng.integers(0, 2**64, size=shape, dtype=np.uint64)
+        # A multiplier per 32-bit word and an additive key, for each 32-bit half of the
+        # hash; ids below 2**32 (one word each) and larger ids (two) have separate keys.
+        self._mult_narrow, self._add_narrow = draw(page_size, 2), draw(2)
+        self._mult_wide, self._add_wide = draw(2 * page_size, 2), draw(2)
         self._chain = rng.integers(0, 2**64, dtype=np.uint64, endpoint=False) | np.uint64(1)
 
     def start(self, cache_salt: str | bytes | None = None) -> ChainState:
@@ -98,10 +100,15 @@ class PageHasher:
         if n == 0:
             return np.empty(0, dtype=np.uint64), state
         assert tokens.dtype == np.int64, tokens.dtype
-        words = np.ascontiguousarray(tokens[: n * ps]).view(np.uint32).reshape(n, 2 * ps)
+        body = np.ascontiguousarray(tokens[: n * ps])
         # NOTE: uint64 matmul wraps mod 2**64, which is what the universal hash needs.
-        sums = words.astype(np.uint64) @ self._mult
-        sums += self._add
+        if int(body.max()) < 2**32:  # 0.2 ms for 128k tokens instead of 0.5
+            sums = body.view(np.uint64).reshape(n, ps) @ self._mult_narrow
+            sums += self._add_narrow
+        else:
+            words = body.view(np.uint32).reshape(n, 2 * ps).astype(np.uint64)
+            sums = words @ self._mult_wide
+            sums += self._add_wide
         content = (sums[:, 0] >> _U32) << _U32 | (sums[:, 1] >> _U32)
         running = np.cumsum(content, dtype=np.uint64)
         running += np.uint64(state.running)

@@ -229,3 +229,58 @@ def test_metrics_gauges_take_the_stats(ray_session):
     m.update(stats)
     m.update({**stats, "capacity_waits": 3})
     assert m._last == {"capacity_waits": 3, "pages_evicted": 5}
+
+
+def test_request_ids_reused_after_free(make_client):
+    """A job naming its requests req-0, req-1, ... per step reuses ids after free."""
+    c = make_client()
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(0, 50, size=16)
+    for step in range(12):
+        for i in range(2):
+            rid = f"req-{i}"
+            c.allocate_extend(rid, np.concatenate([prefix, rng.integers(0, 50, size=9)]))
+            c.allocate_decode([rid], [step])
+            c.free(rid, cache=bool((step + i) % 2))
+    stats = c.stats()
+    assert stats["lane_losses"] == [] and stats["mirror_mismatches"] == 0
+    assert stats["cached_tokens_hit"] > 0
+    report = c.check()
+    assert report["ok"], report
+
+
+def test_two_clients_extend_one_rid_at_once(make_client):
+    c = make_client(name="shared-rid")
+    other = cpkv.connect(**{**DEFAULTS, "name": "shared-rid"})
+    c.allocate_extend("shared", np.arange(8))
+    errors = []
+
+    def extend(client, base):
+        try:
+            for i in range(10):
+                client.allocate_extend("shared", np.arange(base + 3 * i, base + 3 * i + 3))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=extend, args=(cl, b)) for cl, b in ((c, 100), (other, 900))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    c.allocate_decode(["shared"])  # 8 + 2 * 30 + 1 tokens, serialised one call at a time
+    stats = c.stats()
+    assert stats["num_requests"] == 1
+    assert sum(stats["used"]) == -(-(8 + 60 + 1) // 4)
+    assert c.check()["ok"]
+    other.shutdown()
+
+
+def test_cache_salt_separates_tenants(make_client):
+    c = make_client()
+    prompt = np.arange(40)
+    c.allocate_extend("a", prompt, cache_salt="tenant-a")
+    c.free("a")
+    assert c.allocate_extend("b", prompt, cache_salt="tenant-b").cached_len == 0
+    assert c.allocate_extend("a2", prompt, cache_salt="tenant-a").cached_len == 36
+    assert c.check()["ok"]

@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 import ray
 
-from cpkv import CoordinatorUnavailableError, LaneUnavailableError, RequestTimeoutError
+import cpkv
+from cpkv import (
+    CoordinatorUnavailableError,
+    KVCapacityWaitError,
+    LaneUnavailableError,
+    RequestTimeoutError,
+)
 from cpkv.client import CPKVClient
+
+from .conftest import DEFAULTS
 
 pytestmark = pytest.mark.ray
 
@@ -134,3 +142,119 @@ def test_hung_coordinator_times_out_with_a_clear_error(ray_session):
         client.stats()
     assert time.monotonic() - t0 < 5
     ray.kill(actor)
+
+
+def test_a_restarting_lane_stalls_no_caller(make_client):
+    c = make_client(fresh=True)
+    live = {}
+    for i in range(8):  # single-page requests spread over the lanes
+        alloc = c.allocate_extend(f"one{i}", [100 + i])
+        live[f"one{i}"] = int(alloc.new_pages[0]) % 4
+    ray.kill(c.lanes[3], no_restart=False)
+    samples, saw_restarting = [], False
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        t0 = time.monotonic()
+        stats = c.stats()
+        samples.append(time.monotonic() - t0)
+        if stats["restarting_lanes"] == [3] and not saw_restarting:
+            saw_restarting = True
+            t0 = time.monotonic()
+            survivors = [rid for rid, lane in live.items() if lane != 3]
+            c.allocate_decode(survivors)  # touches live lanes only
+            try:  # needs lane 3: a wait, unless it came back meanwhile
+                c.allocate_extend("big", np.arange(64))
+                c.free("big", cache=False)
+            except KVCapacityWaitError as e:
+                assert e.reason == "lane_unavailable" and e.deficit_by_owner[3] > 0
+            samples.append(time.monotonic() - t0)
+        if saw_restarting and stats["lane_states"] == ["up"] * 4:
+            break
+        time.sleep(0.02)
+    assert saw_restarting, "the lane came back before any sample saw it restarting"
+    assert max(samples) < 0.5, max(samples)
+    assert c.stats()["lane_states"] == ["up"] * 4
+    c.allocate_extend("big", np.arange(64))
+    assert c.check()["ok"]
+
+
+SHAPE = {k: v for k, v in DEFAULTS.items() if k not in ("heartbeat_s", "timeout_s")}
+
+
+@ray.remote(num_cpus=0)
+class _Job:
+    """A prefill job that connects from inside Ray and holds requests."""
+
+    def run(self, name: str, n: int, lease_s: float) -> str:
+        import cpkv
+
+        self.client = cpkv.connect("auto", name=name, lease_s=lease_s, **SHAPE)
+        for i in range(n):
+            self.client.allocate_extend(f"job-{i}", np.arange(10 * i, 10 * i + 10))
+        return self.client.client_id
+
+
+def test_requests_of_a_dead_job_are_freed_when_its_lease_lapses(make_client):
+    c = make_client(fresh=True, lease_s=1.0)
+    c.allocate_extend("mine", np.arange(500, 520))
+    job = _Job.remote()
+    ray.get(job.run.remote(c.name, 3, 1.0))
+    assert c.stats()["num_requests"] == 4
+    time.sleep(2.5)  # both leases are renewed in the background meanwhile
+    assert c.stats()["num_requests"] == 4 and c.stats()["leases_expired"] == 0
+    ray.kill(job)
+    wait_for(lambda: c.stats()["leases_expired"] == 3, timeout=20)
+    stats = c.stats()
+    assert stats["num_requests"] == 1 and stats["leases_lapsed"] == 1
+    c.allocate_decode(["mine"])  # the idle creator kept its request
+    assert c.check()["ok"]
+
+
+def test_attached_client_shutdown_leaves_the_pool(make_client):
+    c = make_client(fresh=True)
+    other = cpkv.connect(name=c.name, **SHAPE)
+    assert not other.owns_pool and c.owns_pool
+    other.allocate_extend("theirs", np.arange(30))
+    c.allocate_extend("mine", np.arange(100, 110))
+    other.shutdown()  # closes its lease: frees its requests, the pool stays
+    stats = c.stats()
+    assert stats["num_requests"] == 1
+    c.allocate_decode(["mine"])
+    assert c.check()["ok"]
+
+
+@ray.remote(num_cpus=0)
+class _Creator:
+    def create(self, name: str) -> None:
+        import cpkv
+
+        cpkv.connect("auto", name=name, detached=True, **SHAPE)
+
+
+def test_coordinator_restarts_after_its_creator_is_gone(ray_session):
+    name = f"detached-{time.monotonic_ns()}"
+    creator = _Creator.remote()
+    ray.get(creator.create.remote(name))
+    ray.kill(creator)  # the owner of everything the coordinator was built from is gone
+    time.sleep(0.5)
+    client = cpkv.connect(name=name, **SHAPE)
+    try:
+        client.allocate_extend("r", np.arange(20))
+        old = client._epoch
+        ray.kill(client._coord, no_restart=False)
+
+        def restarted():
+            try:
+                return ray.get(client._coord.epoch.remote(), timeout=5) != old
+            except ray.exceptions.RayError:
+                return False
+
+        wait_for(restarted)
+        with pytest.raises(CoordinatorUnavailableError):
+            client.allocate_decode(["r"])
+        client.allocate_extend("again", np.arange(20))
+        assert client.check()["ok"]
+    finally:
+        client.stop_pool()
+    with pytest.raises(ValueError):
+        ray.get_actor(name, namespace="cpkv")

@@ -1,0 +1,181 @@
+"""The coordinator without Ray: plain lane shards behind a local transport, a stepped clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from cpkv import CPConfig, KVShape
+from cpkv.coordinator import Coordinator
+from cpkv.errors import KVCapacityWaitError, LaneUnavailableError, LeaseExpiredError
+
+from .local_lanes import LocalLaneTransport
+
+CFG = CPConfig(cp_size=4, page_size=4, num_pages_per_lane=32, max_reqs=16, max_context_len=512)
+KV = KVShape(num_layers=1, num_heads=2, head_dim=8, dtype="float32")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(transport=None, clock=None) -> tuple[Coordinator, LocalLaneTransport]:
+    transport = transport or LocalLaneTransport(4, 32, 4, KV)
+    coord = Coordinator(
+        CFG, KV, transport, heartbeat_s=0, lane_restart_timeout_s=5, clock=clock or Clock()
+    )
+    return coord, transport
+
+
+def call(coord, op, *args, client="c"):
+    out = getattr(coord, op)(coord.epoch, client, None, *args)
+    if isinstance(out, Exception):
+        raise out
+    return out
+
+
+def assert_lanes_agree(coord: Coordinator) -> None:
+    report = coord.check()
+    assert report["ok"], report
+    stats = coord.stats()
+    assert stats["mirror_mismatches"] == 0
+    assert stats["lane_losses"] == []
+
+
+def test_request_ids_reused_after_free_keep_lanes_exact():
+    coord, transport = make()
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 100, size=24)
+    for step in range(30):
+        rid = ("req-0", "req-1", 7)[step % 3]
+        tokens = np.concatenate([shared, rng.integers(0, 100, size=int(rng.integers(1, 30)))])
+        call(coord, "allocate_extend", rid, tokens)
+        call(coord, "allocate_decode", [rid], [int(step)])
+        call(coord, "free", rid, bool(step % 2), None)
+        assert_lanes_agree(coord)
+    assert coord.stats()["cached_tokens_hit"] > 0
+    assert sum(s.num_applied for s in transport.shards) == coord.stats()["lane_calls"]
+
+
+def test_a_lost_move_is_detected_and_the_lane_reset():
+    coord, transport = make()
+    call(coord, "allocate_extend", "a", np.arange(40))
+    assert coord.check()["ok"]
+    real_submit = transport.submit
+    dropped = []
+
+    def drop_one_apply(lane, method, *args):
+        if method == "apply" and lane == 1 and not dropped:
+            dropped.append(args[1])  # the move never arrives
+            return real_submit(lane, "heartbeat")
+        return real_submit(lane, method, *args)
+
+    transport.submit = drop_one_apply
+    call(coord, "allocate_extend", "b", np.arange(100, 140))  # moves on every lane
+    call(coord, "allocate_extend", "c", np.arange(200, 240))  # lane 1 sees a gap
+    coord.check()  # waits for the lanes; the refused move is noticed on the next call
+    with pytest.raises(LaneUnavailableError):
+        call(coord, "allocate_decode", ["b"])
+    assert [lane for lane, _ in coord.stats()["lane_losses"]] == [1]
+    assert coord.wait_recovered(5)
+    assert coord.check()["ok"]
+
+
+class BlockingResetTransport(LocalLaneTransport):
+    """Lane resets of ``lane`` wait for ``release`` (a slow Ray restart)."""
+
+    def __init__(self, *args, lane: int) -> None:
+        super().__init__(*args)
+        self.blocked_lane = lane
+        self.release = threading.Event()
+        self.blocking = False
+
+    def submit(self, lane, method, *args):
+        if not (self.blocking and lane == self.blocked_lane and method == "reset"):
+            return super().submit(lane, method, *args)
+        future: Future = Future()
+
+        def later():  # the reply comes once released; submitting never blocks
+            self.release.wait(10)
+            inner = super(BlockingResetTransport, self).submit(lane, method, *args)
+            try:
+                future.set_result(inner.result())
+            except Exception as e:
+                future.set_exception(e)
+
+        threading.Thread(target=later, daemon=True).start()
+        return future
+
+
+def test_a_restarting_lane_stalls_nobody():
+    transport = BlockingResetTransport(4, 32, 4, KV, lane=2)
+    coord, _ = make(transport)
+    rng = np.random.default_rng(1)
+    live = {}
+    for i in range(6):  # single-page requests, one lane each
+        alloc = call(coord, "allocate_extend", f"one{i}", rng.integers(0, 9, size=3))
+        live[f"one{i}"] = int(alloc.new_pages[0]) % 4
+    transport.blocking = True
+    transport.restart(2)  # a new incarnation: the heartbeat sees it and fails the lane
+    coord.heartbeat_once()
+    assert coord.lane_states()[2] == "restarting"
+    t0 = time.monotonic()
+    stats = coord.stats()
+    assert stats["restarting_lanes"] == [2]
+    report = coord.check()
+    assert not report["ok"] and "lane 2: restarting" in report["problems"]
+    survivors = [rid for rid, lane in live.items() if lane != 2]
+    call(coord, "allocate_decode", survivors, list(range(len(survivors))))
+    with pytest.raises(KVCapacityWaitError) as info:  # an owner plan needs lane 2
+        call(coord, "allocate_extend", "big", np.arange(64))
+    assert info.value.reason == "lane_unavailable" and info.value.deficit_by_owner[2] > 0
+    lost = [rid for rid, lane in live.items() if lane == 2]
+    for rid in lost:
+        with pytest.raises(LaneUnavailableError):
+            call(coord, "allocate_decode", [rid])
+    assert time.monotonic() - t0 < 0.5  # nobody waited for the restart
+    transport.release.set()
+    assert coord.wait_recovered(5)
+    assert coord.lane_states() == ["up"] * 4
+    call(coord, "allocate_extend", "big", np.arange(64))
+    assert coord.check()["ok"]
+
+
+def test_lapsed_lease_frees_its_requests_and_says_so():
+    clock = Clock()
+    coord, _ = make(clock=clock)
+    coord.hello("job", 10.0)
+    coord.hello("idle", 10.0)
+    call(coord, "allocate_extend", "j1", np.arange(30), client="job")
+    call(coord, "allocate_extend", "j2", np.arange(50, 90), client="job")
+    call(coord, "allocate_extend", "i1", np.arange(200, 230), client="idle")
+    used = sum(coord.stats()["used"])
+    for _ in range(5):  # the idle client renews (its keeper thread would), the job is silent
+        clock.now += 4.0
+        assert coord.renew_lease("idle")
+        coord.expire_leases()
+    stats = coord.stats()
+    assert stats["leases_expired"] == 2 and stats["leases_lapsed"] == 1
+    assert stats["num_requests"] == 1 and sum(stats["used"]) < used
+    with pytest.raises(LeaseExpiredError) as info:  # told once, then the lease is open again
+        call(coord, "allocate_decode", ["j1"], client="job")
+    assert sorted(info.value.rids) == ["j1", "j2"]
+    call(coord, "allocate_extend", "j3", np.arange(7), client="job")
+    assert coord.close_lease("job") == 1  # a clean shutdown frees what is left
+    assert coord.stats()["num_requests"] == 1
+    assert coord.check()["ok"]
+
+
+def test_calls_from_another_epoch_are_refused():
+    coord, _ = make()
+    out = coord.allocate_extend("old-epoch", "c", None, "r", np.arange(4))
+    assert type(out).__name__ == "CoordinatorUnavailableError"
+    assert coord.stats()["num_requests"] == 0
