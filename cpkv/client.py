@@ -19,6 +19,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from cpkv.errors import (
     RequestTimeoutError,
 )
 
-__all__ = ["CPKVClient", "connect"]
+__all__ = ["CPKVClient", "PrefillResult", "connect"]
 
 logger = logging.getLogger("cpkv.client")
 
@@ -62,6 +63,10 @@ def connect(
     num_heads: int = 8,
     head_dim: int = 128,
     dtype: str = "bfloat16",
+    model=None,
+    model_seed: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    attention_mode: str = "auto",
 ) -> CPKVClient:
     """Start or attach to Ray, get or create the named coordinator and its lanes.
 
@@ -82,7 +87,20 @@ def connect(
             lives; when it lapses (the process died) the coordinator frees the
             client's requests. ``None``: no lease, requests live until freed.
         detached: actors outlive this driver (for shared, long-lived pools).
-        num_layers, num_heads, head_dim, dtype: each lane's K/V tensors.
+        num_layers, num_heads, head_dim, dtype: each lane's K/V tensors (taken from the
+            model's config when a model is given).
+        model: run this model's prefill and decode on the lanes: a transformers
+            Llama-family ``*ForCausalLM`` instance (its weights are put in Ray's object
+            store once), a checkpoint directory every lane can read (``config.json`` +
+            ``*.safetensors``), a :class:`cpkv.models.LlamaModel`, or a
+            :class:`cpkv.models.ModelConfig` (random weights from ``model_seed``, drawn
+            on every lane alike).
+        model_seed: the seed of random weights for a ``ModelConfig``.
+        gpu_memory_utilization: size each lane's pages from its device's memory (this
+            fraction of it, less what the weights use and an activation reserve) instead of
+            ``num_pages_per_lane``; the smallest lane sets the pool's size.
+        attention_mode: the exchange of CP attention steps: ``auto`` (chosen per step by
+            measured cost), ``pass_q`` or ``pass_kv``.
 
     Returns:
         A :class:`CPKVClient`.
@@ -91,10 +109,24 @@ def connect(
         InvalidRequestError: bad sizes, or an existing coordinator of another shape.
         TimeoutError: the lanes could not be placed in time.
     """
+    from cpkv.steps import MODES
+
+    if attention_mode not in MODES:
+        raise InvalidRequestError(f"attention_mode={attention_mode!r}; expected one of {MODES}")
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise InvalidRequestError(
+            f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]"
+        )
     config = CPConfig(cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len)
-    kv = KVShape(num_layers, num_heads, head_dim, dtype)
     if lease_s is not None and not lease_s > 0:
         raise InvalidRequestError(f"lease_s={lease_s!r} must be > 0 or None")
+    spec = None
+    if model is not None:
+        from cpkv.models.spec import ModelSpec
+
+        spec = ModelSpec.from_source(model, seed=model_seed)
+        num_layers, num_heads, head_dim, dtype = spec.kv_shape
+    kv = KVShape(num_layers, num_heads, head_dim, dtype)
     started = ensure_ray(
         address,
         num_cpus=max(4, cp_size + 2) if address is None else None,
@@ -125,7 +157,25 @@ def connect(
             # not collide on lane names; the loser removes its lanes below.
             name_prefix=f"{name}-{uuid.uuid4().hex[:8]}-",
             detached=detached,
+            model=spec,
+            sized_later=gpu_memory_utilization is not None,
         )
+        if gpu_memory_utilization is not None:
+            share = min(1.0, num_gpus_per_lane) if num_gpus_per_lane else 1.0 / cp_size
+            caps = ray.get(
+                [
+                    lane.kv_capacity.remote(gpu_memory_utilization, share)
+                    for lane in placement.lanes
+                ],
+                timeout=timeout_s,
+            )
+            if min(caps) < 2:
+                placement.remove()
+                raise InvalidRequestError(
+                    f"gpu_memory_utilization={gpu_memory_utilization} leaves room for "
+                    f"{min(caps)} pages on the smallest lane (per lane: {caps})"
+                )
+            config = CPConfig(cp_size, page_size, min(caps), max_reqs, max_context_len)
         opts = {"name": name, "namespace": NAMESPACE, "get_if_exists": True}
         if detached:
             opts["lifetime"] = "detached"
@@ -136,6 +186,15 @@ def connect(
         coordinator, timeout_s=timeout_s, placement=placement, owns_ray=started, lease_s=lease_s
     )
     client.name = name
+    client.attention_mode = attention_mode
+    if placement is not None:
+        client._model_spec = spec  # a checkpoint written for this pool goes with it
+    elif spec is not None:
+        spec.remove()
+    if placement is None and gpu_memory_utilization is not None:
+        config = CPConfig(
+            cp_size, page_size, client.config.num_pages_per_lane, max_reqs, max_context_len
+        )
     if client.config != config and placement is None:
         client.shutdown()
         raise InvalidRequestError(
@@ -145,6 +204,25 @@ def connect(
         placement.remove()  # lost a creation race: another driver's coordinator won
         client._placement = None
     return client
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What a prefill step gives back.
+
+    Attributes:
+        logits: fp32 ``[vocab]`` of the last new token (``None`` for a probe step).
+        allocation: the step's :class:`ExtendAllocation` (``prefix_len`` shows prefix reuse).
+        lane_seconds: each lane's compute time for the whole step.
+        mode: the attention exchange the step ran (``pass_q`` / ``pass_kv``).
+        attention: probe steps only: fp32 ``[extend_len, Hq, D]`` attention outputs.
+    """
+
+    logits: np.ndarray | None
+    allocation: ExtendAllocation
+    lane_seconds: list[float]
+    mode: str | None
+    attention: np.ndarray | None = None
 
 
 class _LeaseKeeper:
@@ -225,6 +303,8 @@ class CPKVClient:
         self.lane_names: list[str] = hello.get("lane_names", [])
         self._lease = _LeaseKeeper(self, lease_s) if lease_s is not None else None
         self.name: str | None = None  # the coordinator's actor name, when known
+        self.attention_mode = "auto"
+        self._model_spec = None
 
     @property
     def owns_pool(self) -> bool:
@@ -461,6 +541,196 @@ class CPKVClient:
         self._forget([rid])
         return out
 
+    # ---------------------------------------------------------------- steps
+    def prefill(
+        self,
+        rid: Hashable,
+        token_ids,
+        *,
+        cache_salt: str | bytes | None = None,
+        mode: str | None = None,
+        deadline_s: float | None = None,
+        probe=None,
+    ) -> PrefillResult:
+        """Prefill one request's new tokens on the lanes (the pool's model).
+
+        A new ``rid`` matches the prefix cache and gets a zigzag plan; an existing one
+        continues (chunked prefill). Every lane runs every layer for its token ranges,
+        writes their K/V into its shard in place and attends through the lanes' CP
+        attention; one Ray call per lane.
+
+        Args:
+            rid: request id (``str`` or ``int``).
+            token_ids: the new tokens (the whole prompt for a new rid).
+            cache_salt: share cached pages only with requests of the same salt.
+            mode: attention exchange for this step (default: the pool's ``attention_mode``).
+            deadline_s: retry capacity waits with backoff until then (``None``: raise at once).
+            probe: tests and benchmarks without a model: ``(q, k, v)`` tensors, one row per
+                given token; the lanes attend them instead of running a model.
+
+        Returns:
+            A :class:`PrefillResult`: fp32 ``[vocab]`` logits of the last new token and the
+            step's :class:`ExtendAllocation`.
+
+        Raises:
+            As :meth:`allocate_extend`; InvalidRequestError when the pool has no model.
+        """
+        rid = check_rid(rid)
+        tokens = self._check_tokens(rid, token_ids)
+        self._check_salt(cache_salt)
+        mode = self._mode(mode)
+
+        def once():
+            ref = self._coord.prefill.remote(
+                self._epoch, self.client_id, self._call_id(), rid, tokens, cache_salt, mode, probe
+            )
+            out = self._get(ref, "prefill")
+            self._rids.add(rid)
+            return out
+
+        out = once() if deadline_s is None else self._backoff(once, deadline_s)
+        return self._step_results(out, "prefill")[0]
+
+    def prefill_batch(
+        self,
+        items: Sequence[tuple[Hashable, object]],
+        *,
+        cache_salt: str | bytes | None = None,
+        mode: str | None = None,
+        probe=None,
+    ) -> list[PrefillResult]:
+        """Prefill several requests in one step (each sequence split by its own plan)."""
+        checked = []
+        for rid, t in items:
+            rid = check_rid(rid)
+            checked.append((rid, self._check_tokens(rid, t)))
+        if not checked:
+            raise InvalidRequestError("prefill_batch got an empty batch")
+        self._check_salt(cache_salt)
+        ref = self._coord.prefill_batch.remote(
+            self._epoch,
+            self.client_id,
+            self._call_id(),
+            checked,
+            cache_salt,
+            self._mode(mode),
+            probe,
+        )
+        out = self._get(ref, "prefill_batch")
+        self._rids.update(rid for rid, _ in checked)
+        return self._step_results(out, "prefill_batch")
+
+    def decode(self, rids: Sequence[Hashable], token_ids, *, mode: str | None = None, probe=None):
+        """One token for each request, attended over every lane's pages (merged by LSE).
+
+        Args:
+            rids: live requests.
+            token_ids: the token each request appends (the last sampled one).
+
+        Returns:
+            ``fp32 [len(rids), vocab]`` next-token logits (probe steps: ``[len(rids), Hq, D]``
+            attention outputs).
+        """
+        rids, toks = self._decode_args(rids, token_ids)
+        if toks is None:
+            raise InvalidRequestError("decode needs the token id of every request")
+        ref = self._coord.decode.remote(
+            self._epoch, self.client_id, self._call_id(), rids, toks, self._mode(mode), probe
+        )
+        out = self._get(ref, "decode")
+        results = self._wait_step(out["lanes"], "decode")
+        if probe is not None:
+            return _assemble_probe(results, len(rids))
+        rows = {}
+        for res in results:
+            rows.update(res["logits"])
+        return np.stack([rows[i] for i in range(len(rids))])
+
+    def generate(
+        self,
+        rid: Hashable,
+        token_ids,
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+    ) -> list[int]:
+        """Greedy generation: prefill ``token_ids`` then decode; the new token ids.
+
+        Stops after ``max_new_tokens`` or at ``eos_token_id``. The request stays live
+        (free it when done).
+        """
+        check_int("max_new_tokens", max_new_tokens, minimum=1)
+        logits = self.prefill(rid, token_ids, cache_salt=cache_salt).logits
+        out = [int(np.argmax(logits))]
+        while len(out) < max_new_tokens and out[-1] != eos_token_id:
+            out.append(int(np.argmax(self.decode([rid], [out[-1]])[0])))
+        return out
+
+    def _mode(self, mode: str | None) -> str:
+        from cpkv.steps import MODES
+
+        mode = self.attention_mode if mode is None else mode
+        if mode not in MODES:
+            raise InvalidRequestError(f"mode={mode!r}; expected one of {MODES}")
+        return mode
+
+    def _backoff(self, fn, deadline_s: float):
+        return self._with_backoff(
+            fn, deadline_s=deadline_s, initial_backoff_s=0.005, max_backoff_s=0.5, rng=None
+        )
+
+    def _step_results(self, out: dict, what: str) -> list[PrefillResult]:
+        results = self._wait_step(out["lanes"], what)
+        allocs = out["allocations"]
+        logits: dict[int, np.ndarray] = {}
+        for res in results:
+            logits.update(res["logits"])
+        lane_s = [float(res["compute_s"]) for res in results]
+        mode = results[0]["mode"]
+        probe = None
+        if any("out" in res for res in results):
+            probe = _assemble_probe(results, sum(a.extend_len for a in allocs))
+        made, start = [], 0
+        for b, alloc in enumerate(allocs):
+            part = None if probe is None else probe[start : start + alloc.extend_len]
+            start += alloc.extend_len
+            made.append(PrefillResult(logits.get(b), alloc, lane_s, mode, part))
+        return made
+
+    def _wait_step(self, handles: list, what: str) -> list[dict]:
+        """Every lane's step result, in lane order. A dead lane is reported at once (the
+        others would only fail later, in their collectives, when the group times out)."""
+        ray = self._ray
+        index = {ref: r for r, ref in enumerate(handles)}
+        remaining, results, errors = list(handles), {}, []
+        end = time.monotonic() + self.timeout_s
+        while remaining:
+            ready, remaining = ray.wait(
+                remaining, num_returns=1, timeout=max(0.0, end - time.monotonic())
+            )
+            if not ready:
+                lanes = sorted(index[ref] for ref in remaining)
+                raise RequestTimeoutError(f"{what}: lanes {lanes} silent for {self.timeout_s}s")
+            for ref in ready:
+                r = index[ref]
+                try:
+                    results[r] = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    lost = self._get(
+                        self._coord.report_lane_failure.remote(
+                            self._epoch, r, f"{what}: lane died"
+                        ),
+                        "report_lane_failure",
+                    )
+                    self._forget(lost)
+                    raise LaneUnavailableError(r, lost, f"{what} failed") from None
+                except ray.exceptions.RayTaskError as e:
+                    errors.append(e.as_instanceof_cause())
+        if errors:
+            raise errors[0]
+        return [results[r] for r in range(len(handles))]
+
     # ------------------------------------------------------------------- KV
     def _check_kv(self, slots: np.ndarray, k, v) -> None:
         import torch
@@ -616,6 +886,8 @@ class CPKVClient:
         if self._placement is not None:
             self._placement.remove()
             self._placement = None
+            if self._model_spec is not None:
+                self._model_spec.remove()
             return
         from ray.util.placement_group import get_placement_group, remove_placement_group
 
@@ -632,6 +904,15 @@ class CPKVClient:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _assemble_probe(results: list[dict], num_tokens: int) -> np.ndarray:
+    """Probe outputs of every lane's own tokens, back in step-token order."""
+    first = next(res["out"] for res in results if "out" in res)
+    out = np.zeros((num_tokens, *first.shape[1:]), dtype=np.float32)
+    for res in results:
+        out[np.asarray(res["tokens"], dtype=np.int64)] = res["out"].numpy()
+    return out
 
 
 def _index(idx: np.ndarray):

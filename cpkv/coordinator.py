@@ -21,13 +21,22 @@ import uuid
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from cpkv.allocator import CPAllocator
+import numpy as np
+
+from cpkv.allocator import CPAllocator, ExtendAllocation
 from cpkv.config import CPConfig, KVShape
-from cpkv.errors import CoordinatorUnavailableError, CPKVError, LeaseExpiredError
+from cpkv.errors import (
+    CoordinatorUnavailableError,
+    CPKVError,
+    InvalidRequestError,
+    KVCapacityWaitError,
+    LeaseExpiredError,
+)
 from cpkv.lane_channel import LaneChannel, LaneTransport
 from cpkv.lane_health import RESTARTING, LaneHealth
 from cpkv.leases import LeaseTable
 from cpkv.reply_cache import ReplyCache
+from cpkv.steps import MODES, StepInput, StepSequence
 
 __all__ = ["Coordinator"]
 
@@ -75,9 +84,18 @@ class Coordinator:
             on_lost=self._on_lane_lost,
             on_back=self._on_lane_back,
             restart_timeout_s=lane_restart_timeout_s,
+            num_pages=config.num_pages_per_lane,
         )
         self._leases = LeaseTable()
         self._on_pool_change: list[Callable[[], None]] = []
+        self._transport = transport
+        # The lanes' collective group: built before the first step, rebuilt after a lane
+        # is lost or comes back (None: stale). Steps are numbered in submission order.
+        self._group_lock = threading.Lock()
+        self._group_id: str | None = None
+        self._group_count = 0
+        self._backend: str | None = None
+        self._step_count = 0
         self._stop = threading.Event()
         self.reset()
         if heartbeat_s > 0:
@@ -157,6 +175,186 @@ class Coordinator:
             return freed
 
         return self._call(epoch, client_id, call_id, "free", run)
+
+    # ------------------------------------------------------------------ steps
+    def prefill(
+        self,
+        epoch: str,
+        client_id: str | None,
+        call_id: Hashable,
+        rid,
+        tokens,
+        cache_salt=None,
+        mode: str = "auto",
+        probe=None,
+    ) -> Any:
+        """Allocate one request's prefill step and run it on the lanes.
+
+        Returns:
+            ``{"allocations": [ExtendAllocation], "lanes": [handle per lane]}``: each lane's
+            step result (see :meth:`cpkv.lanes.worker.LaneWorker.step`) behind its handle;
+            or the error (nothing is run then).
+        """
+
+        def run():
+            alloc = self._core.allocate_extend(rid, tokens, cache_salt=cache_salt)
+            self._leases.hold(client_id, alloc.rid)
+            return [alloc], [tokens]
+
+        return self._step_call(epoch, client_id, call_id, "prefill", run, mode, probe)
+
+    def prefill_batch(
+        self,
+        epoch: str,
+        client_id: str | None,
+        call_id: Hashable,
+        items,
+        cache_salt=None,
+        mode: str = "auto",
+        probe=None,
+    ) -> Any:
+        """:meth:`prefill` of several requests in one step (each with its own owner plan)."""
+
+        def run():
+            allocs = self._core.allocate_extend_batch(items, cache_salt=cache_salt)
+            for a in allocs:
+                self._leases.hold(client_id, a.rid)
+            return allocs, [t for _, t in items]
+
+        return self._step_call(epoch, client_id, call_id, "prefill", run, mode, probe)
+
+    def decode(
+        self,
+        epoch: str,
+        client_id: str | None,
+        call_id: Hashable,
+        rids,
+        token_ids,
+        mode: str = "auto",
+        probe=None,
+    ) -> Any:
+        """One token for each request, and a decode step on the lanes (pass-Q).
+
+        Returns:
+            ``{"slots": int64 [len(rids)], "lanes": [handle per lane]}``, or the error.
+        """
+
+        def run():
+            slots = self._core.allocate_decode(rids, token_ids)
+            return slots, None
+
+        return self._step_call(
+            epoch, client_id, call_id, "decode", run, mode, probe, decode=(rids, token_ids)
+        )
+
+    def _step_call(self, epoch, client_id, call_id, op, run, mode, probe, decode=None) -> Any:
+        if epoch != self.epoch:
+            return self._restarted(epoch)
+        if mode not in MODES:
+            return InvalidRequestError(f"mode={mode!r}; expected one of {MODES}")
+        group = self._ensure_group()
+        if isinstance(group, CPKVError):
+            return group
+        with self._lock:
+            if call_id is not None and call_id in self._replies:
+                return self._replies.get(call_id)
+            lapsed = self._lapse_notice(client_id)
+            if lapsed is not None:
+                return lapsed
+            self._health.fail_moves()
+            try:
+                made, given = run()
+            except CPKVError as e:
+                self._dispatch(op)
+                if call_id is not None:
+                    self._replies.put(call_id, e)
+                return e
+            self._dispatch(op)
+            if decode is None:
+                seqs, answer = self._extend_sequences(made, given), {"allocations": made}
+            else:
+                seqs, answer = self._decode_sequences(*decode), {"slots": made}
+            self._step_count += 1
+            step = StepInput(self._step_count, group, tuple(seqs), mode, probe)
+            shared = self._share(step)
+            futures = [self._channel.submit(r, "step", shared) for r in range(self.config.cp_size)]
+        answer["lanes"] = [f.result(timeout=self._timeout_s) for f in futures]
+        if call_id is not None:
+            with self._lock:
+                self._replies.put(call_id, answer)
+        return answer
+
+    def _extend_sequences(self, allocs: list[ExtendAllocation], given: list) -> list[StepSequence]:
+        seqs, start = [], 0
+        for alloc, tokens in zip(allocs, given, strict=True):
+            tokens = np.asarray(tokens, dtype=np.int64)
+            n = tokens.shape[0]
+            # NOTE: a new request's cached prefix is not recomputed: its step starts after it.
+            new = tokens[n - alloc.extend_len :]
+            pages = self._core.request_pages(alloc.rid)
+            seqs.append(
+                StepSequence(
+                    alloc.rid, alloc.prefix_len, alloc.extend_len, pages, new, start + n - new.size
+                )
+            )
+            start += n
+        return seqs
+
+    def _decode_sequences(self, rids, token_ids) -> list[StepSequence]:
+        seqs = []
+        toks = np.zeros(len(rids), np.int64) if token_ids is None else np.asarray(token_ids)
+        for i, rid in enumerate(rids):
+            n = self._core.request_len(rid)
+            tok = toks[i : i + 1].astype(np.int64)
+            seqs.append(StepSequence(rid, n - 1, 1, self._core.request_pages(rid), tok, i))
+        return seqs
+
+    def _share(self, obj: Any) -> Any:
+        share = getattr(self._transport, "share", None)
+        return obj if share is None else share(obj)
+
+    def _ensure_group(self) -> str | CPKVError:
+        """The current lane group's id, building the group first when it is stale."""
+        with self._group_lock:
+            with self._lock:
+                if self._group_id is not None:
+                    return self._group_id
+                down = [r for r in range(self.config.cp_size) if not self._health.is_up(r)]
+                if down:
+                    zeros = [0] * self.config.cp_size
+                    return KVCapacityWaitError(
+                        f"lanes {down} are restarting; no step can run",
+                        required_by_owner=zeros,
+                        available_by_owner=zeros,
+                        deficit_by_owner=zeros,
+                        reason="lane_unavailable",
+                    )
+            t = self._timeout_s
+            try:
+                if self._backend is None:
+                    from cpkv.lanes.comm import choose_backend
+
+                    infos = [
+                        self._channel.call(r, "info", timeout=t) for r in range(self.config.cp_size)
+                    ]
+                    self._backend = choose_backend([i["device"] for i in infos])
+                host, port = self._channel.call(0, "rendezvous_address", timeout=t)
+            except Exception as e:  # a lane died meanwhile: the heartbeat will see it
+                zeros = [0] * self.config.cp_size
+                return KVCapacityWaitError(
+                    f"could not build the lane group ({type(e).__name__})",
+                    required_by_owner=zeros,
+                    available_by_owner=zeros,
+                    deficit_by_owner=zeros,
+                    reason="lane_unavailable",
+                )
+            with self._lock:
+                self._group_count += 1
+                gid = f"{self.epoch[:8]}:g{self._group_count}"
+                for r in range(self.config.cp_size):
+                    self._channel.submit(r, "init_group", gid, host, port, self._backend, t)
+                self._group_id = gid
+                return gid
 
     def renew_lease(self, client_id: str) -> bool:
         """Push the client's lease out; False when it has none (lapsed, or a new coordinator)."""
@@ -334,6 +532,7 @@ class Coordinator:
 
     def _on_lane_lost(self, lane: int, why: str) -> list[Hashable]:
         del why
+        self._group_id = None
         lost = self._core.drop_lane(lane)
         self._core.set_lane_available(lane, False)
         self._dispatch("lane_lost")
@@ -342,6 +541,7 @@ class Coordinator:
 
     def _on_lane_back(self, lane: int) -> None:
         self._core.set_lane_available(lane, True)
+        self._group_id = None  # the restarted lane joins a new group
         for callback in self._on_pool_change:
             callback()
 

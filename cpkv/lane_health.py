@@ -36,6 +36,8 @@ class LaneHealth:
             its requests and returns their ids.
         on_back: called under the lock with ``lane`` once it is reset and serving again.
         restart_timeout_s: how long a lost lane may take to come back.
+        num_pages: the shard size a reset (re)allocates (a restarted lane sized from free
+            memory has no shard until then).
     """
 
     def __init__(
@@ -46,8 +48,10 @@ class LaneHealth:
         on_lost: Callable[[int, str], list[Hashable]],
         on_back: Callable[[int], None],
         restart_timeout_s: float,
+        num_pages: int | None = None,
     ) -> None:
         cp = channel.cp_size
+        self._num_pages = num_pages
         self._channel = channel
         self._lock = lock
         self._on_lost = on_lost
@@ -121,7 +125,9 @@ class LaneHealth:
         while True:
             left = deadline - time.monotonic()
             try:
-                incarnation = self._channel.call(lane, "reset", gen, timeout=max(0.1, left))
+                incarnation = self._channel.call(
+                    lane, "reset", gen, self._num_pages, timeout=max(0.1, left)
+                )
                 break
             except Exception as e:
                 deaths += isinstance(e, LaneDeadError)

@@ -40,6 +40,8 @@ class LocalLaneTransport:
         try:
             if method == "heartbeat":
                 future.set_result((shard.incarnation, shard.num_held_pages))
+            elif method == "reset":
+                future.set_result(shard.reset(args[0]))
             else:
                 future.set_result(getattr(shard, method)(*args))
         except Exception as e:

@@ -102,6 +102,15 @@ class CoordinatorActor:
     def free(self, *args):
         return self._c.free(*args)
 
+    def prefill(self, *args):
+        return self._c.prefill(*args)
+
+    def prefill_batch(self, *args):
+        return self._c.prefill_batch(*args)
+
+    def decode(self, *args):
+        return self._c.decode(*args)
+
     def renew_lease(self, client_id: str) -> bool:
         return self._c.renew_lease(client_id)
 

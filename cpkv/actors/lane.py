@@ -1,4 +1,10 @@
-"""LaneActor: one CP rank's shard served as a Ray actor (one per GPU, or a fraction)."""
+"""LaneActor: one CP rank served as a Ray actor (one per GPU, or a fraction).
+
+A thin shell: the shard (:class:`cpkv.lanes.LaneShard`: KV memory and page
+record) and the worker (:class:`cpkv.lanes.worker.LaneWorker`: weights, lane
+group, step loop) hold the logic. A restart brings an empty shard and a worker
+without a group; the coordinator resets the shard and rebuilds the group.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +15,40 @@ import ray
 
 from cpkv.config import KVShape
 from cpkv.lanes.shard import LaneShard
+from cpkv.lanes.worker import LaneWorker
+from cpkv.steps import StepInput
+
+__all__ = ["LaneActor"]
+
+# Memory kept free beside the KV pool for activations and the allocator's slack, when the
+# pool is sized from free memory (a 128k-token prefill step of a 1B model needs ~2 GiB).
+_ACTIVATION_RESERVE_BYTES = 4 << 30
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class LaneActor:
-    """Delegates to :class:`cpkv.lanes.LaneShard`; a restart brings an empty shard."""
+    """Delegates to a :class:`LaneShard` and a :class:`LaneWorker`.
+
+    Args:
+        lane: this lane's CP rank.
+        cp_size: number of lanes.
+        num_pages: pages in the shard, or ``None`` when the pool is sized later from
+            free memory (:meth:`kv_capacity`, then :meth:`reset` with the size).
+        page_size: tokens per page.
+        kv: the K/V tensors' layers, heads, head_dim and dtype.
+        model: a :class:`cpkv.models.spec.ModelSpec` to load on this lane's device.
+        device: override the device (default: the GPU Ray gave this actor, else CPU).
+    """
 
     def __init__(
-        self, lane: int, num_pages: int, page_size: int, kv: KVShape, device: str | None = None
+        self,
+        lane: int,
+        cp_size: int,
+        num_pages: int | None,
+        page_size: int,
+        kv: KVShape,
+        model=None,
+        device: str | None = None,
     ) -> None:
         import torch
 
@@ -24,34 +56,88 @@ class LaneActor:
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs; logical GPUs on a
             # machine without CUDA leave torch on the CPU.
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
-        self._shard = LaneShard(lane, num_pages, page_size, kv, device)
+        self._lane, self._page_size, self._kv = lane, page_size, kv
+        self._device = torch.device(device)
+        self._shard = (
+            LaneShard(lane, num_pages, page_size, kv, self._device) if num_pages else None
+        )
+        loaded = model.load(self._device) if model is not None else None
+        self._worker = LaneWorker(lane, cp_size, self._device, loaded)
 
+    # ---------------------------------------------------------------- pages
     def apply(self, generation: str, seq: int, taken: np.ndarray, released: np.ndarray) -> int:
         return self._shard.apply(generation, seq, taken, released)
 
-    def reset(self, generation: str) -> str:
+    def reset(self, generation: str, num_pages: int | None = None) -> str:
+        """Empty the shard (allocating it at ``num_pages`` first if it has another size)."""
+        if num_pages is not None and (self._shard is None or self._shard.num_pages != num_pages):
+            self._shard = None  # free the old tensors before taking new ones
+            self._shard = LaneShard(self._lane, num_pages, self._page_size, self._kv, self._device)
         return self._shard.reset(generation)
 
     def heartbeat(self) -> tuple[str, int]:
         """``(incarnation, pages held)``; ordered after every earlier coordinator call."""
         return self._shard.incarnation, self._shard.num_held_pages
 
+    def kv_capacity(self, memory_utilization: float, share: float = 1.0) -> int:
+        """Pages this lane can hold: its ``share`` of ``memory_utilization`` of its device's
+        memory left after what is in use (the weights), less an activation reserve (free
+        host memory for a CPU lane). Lanes packed on one GPU each pass their fraction."""
+        import torch
+
+        kv = self._kv
+        itemsize = torch.empty(0, dtype=getattr(torch, kv.dtype)).element_size()
+        page_bytes = 2 * kv.num_layers * self._page_size * kv.num_heads * kv.head_dim * itemsize
+        if self._device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self._device)
+            budget = (total * memory_utilization - (total - free)) * share
+        else:
+            budget = _available_host_memory() * memory_utilization * share
+        return max(0, int((budget - _ACTIVATION_RESERVE_BYTES * share) // page_bytes))
+
+    # ------------------------------------------------------------------ K/V
     def store_kv(self, local_slots, k, v, layer: int = 0) -> int:
         return self._shard.store_kv(local_slots, k, v, layer)
 
     def gather_kv(self, local_slots, layer: int = 0):
         return self._shard.gather_kv(local_slots, layer)
 
+    # ----------------------------------------------------------------- steps
+    def rendezvous_address(self) -> tuple[str, int]:
+        return self._worker.rendezvous_address()
+
+    def init_group(self, group_id: str, host: str, port: int, backend: str, timeout_s: float):
+        return self._worker.init_group(group_id, host, port, backend, timeout_s)
+
+    def step(self, step: StepInput) -> dict:
+        return self._worker.step(self._shard, step)
+
+    # ---------------------------------------------------------------- status
     def ping(self) -> None:
         """A no-op round trip (the benchmark's baseline)."""
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
+        counts = self._shard.counts() if self._shard is not None else {"lane": self._lane}
         return {
-            **self._shard.counts(),
+            **counts,
             "node_id": ctx.get_node_id(),
             "pid": os.getpid(),
-            "device": str(self._shard.device),
+            "device": str(self._device),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            "group": self._worker.group_id,
+            "has_model": self._worker.model is not None,
         }
+
+
+def _available_host_memory() -> int:
+    """``MemAvailable`` of this machine in bytes (Linux), else a conservative 1 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 30

@@ -41,6 +41,8 @@ def place_lanes(
     timeout_s: float = 60.0,
     name_prefix: str,
     detached: bool = False,
+    model=None,
+    sized_later: bool = False,
 ) -> LanePlacement:
     """Reserve one bundle per lane and start a lane actor in each.
 
@@ -55,6 +57,8 @@ def place_lanes(
         name_prefix: the lane actors are named ``{prefix}lane{r}`` (namespace ``cpkv``) and
             the placement group ``{prefix}lanes``; the coordinator finds them by name.
         detached: outlive the creating driver.
+        model: a :class:`cpkv.models.spec.ModelSpec` every lane loads.
+        sized_later: create the lanes without a shard (sized from free memory later).
 
     Raises:
         InvalidRequestError: a bad strategy or resource amount.
@@ -103,7 +107,10 @@ def place_lanes(
         )
         if detached:
             opts["lifetime"] = "detached"
+        num_pages = None if sized_later else config.num_pages_per_lane
         lanes.append(
-            LaneActor.options(**opts).remote(r, config.num_pages_per_lane, config.page_size, kv)
+            LaneActor.options(**opts).remote(
+                r, config.cp_size, num_pages, config.page_size, kv, model
+            )
         )
     return LanePlacement(lanes, pg, names)

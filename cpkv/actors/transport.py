@@ -34,6 +34,10 @@ class RayLaneTransport:
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
 
+    def share(self, obj: Any) -> ray.ObjectRef:
+        """Put ``obj`` in the object store once, for every lane's call to read."""
+        return ray.put(obj)
+
     def done(self, handles: list[ray.ObjectRef]) -> list[bool]:
         if not handles:
             return []

@@ -69,7 +69,10 @@ def log_fallback_once(kernel: str, reason: str) -> None:
     if kernel in _fallback_logged:
         return
     _fallback_logged.add(kernel)
-    logger.warning("%s: Triton cannot run (%s); using the torch reference", kernel, reason)
+    # NOTE: CPU tensors without the interpreter are the expected case on a machine without
+    # a GPU: say so quietly; a failed Triton import is worth a warning.
+    level = logging.WARNING if _TRITON_IMPORT_ERROR is not None else logging.INFO
+    logger.log(level, "%s: Triton cannot run (%s); using the torch reference", kernel, reason)
 
 
 def use_triton(kernel: str, device: torch.device) -> bool:

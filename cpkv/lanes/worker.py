@@ -1,0 +1,172 @@
+"""LaneWorker: one lane's model weights, its collective group and its step loop.
+
+The lane actor holds a worker beside its shard. A step (one Ray call per lane,
+all lanes in parallel) carries the same :class:`cpkv.steps.StepInput` to every
+lane; each derives its share with :class:`StepPlan`, runs every layer for its own
+tokens, writes their K/V into its shard in place and attends through
+:class:`CPAttention`, exchanging with the other lanes over torch.distributed,
+never through the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from cpkv.lanes.attention import CPAttention
+from cpkv.lanes.comm import LaneGroup, free_port
+from cpkv.lanes.shard import LaneShard
+from cpkv.lanes.step import StepPlan, StepRequest
+from cpkv.steps import StepInput
+
+__all__ = ["LaneGroupError", "LaneWorker"]
+
+logger = logging.getLogger("cpkv.worker")
+
+
+class LaneGroupError(RuntimeError):
+    """The step expects a lane group this lane does not have (it is being rebuilt)."""
+
+
+class LaneWorker:
+    """Weights, group and step loop of one lane.
+
+    Args:
+        lane: this lane's CP rank.
+        cp_size: number of lanes.
+        device: where the weights and the shard live.
+        model: the lane's model (a :class:`cpkv.models.LlamaModel`), or ``None`` for a
+            pool that only stores K/V (probe steps still run).
+    """
+
+    def __init__(self, lane: int, cp_size: int, device: torch.device, model: Any = None) -> None:
+        self.lane = lane
+        self.cp_size = cp_size
+        self.device = device
+        self.model = model
+        self.group: LaneGroup | None = None
+        self.group_id: str | None = None
+        self._last_step = -1
+
+    # ------------------------------------------------------------------ group
+    def rendezvous_address(self) -> tuple[str, int]:
+        """``(host, port)`` where this lane, as rank 0, can serve a new group's rendezvous."""
+        import ray
+
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return host, free_port(host)
+
+    def init_group(
+        self, group_id: str, host: str, port: int, backend: str, timeout_s: float
+    ) -> str:
+        """Leave the old group, join ``group_id`` (blocks until every lane joined)."""
+        self.destroy_group()
+        self.group = LaneGroup.create(
+            self.lane,
+            self.cp_size,
+            host,
+            port,
+            backend,
+            timeout_s,
+            device=self.device if backend == "nccl" else None,
+        )
+        self.group_id = group_id
+        self._last_step = -1
+        return group_id
+
+    def destroy_group(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+        self.group, self.group_id = None, None
+
+    # ------------------------------------------------------------------- step
+    def step(self, shard: LaneShard, step: StepInput) -> dict:
+        """Run one step on this lane; a collective over the lane group.
+
+        Returns:
+            ``{"logits": {b: fp32 [vocab]}`` for the sequences whose last new token this
+            lane computed, ``"out"`` (probe steps: ``fp32 [n_mine, Hq, D]`` with
+            ``"tokens"`` their step indices), ``"num_tokens"``, ``"compute_s"``, ``"mode"``,
+            ``"exchange_bytes"``.
+
+        Raises:
+            LaneGroupError: the step was made for another group.
+        """
+        if self.group is None or step.group != self.group_id:
+            raise LaneGroupError(
+                f"lane {self.lane}: step {step.step_id} expects group {step.group!r}, "
+                f"lane has {self.group_id!r}"
+            )
+        # NOTE: steps reach every lane in one order (one sender submits them), so a step
+        # older than the last one run means a reordering bug, not a retry.
+        assert step.step_id > self._last_step, (step.step_id, self._last_step)
+        self._last_step = step.step_id
+        t0 = time.perf_counter()
+        plan = StepPlan.build(
+            [StepRequest(s.prefix_len, s.extend_len, s.pages) for s in step.sequences],
+            self.cp_size,
+            shard.page_size,
+            self.lane,
+        )
+        attn = CPAttention(self.group, plan, step.mode)
+        out: dict[str, Any] = {"num_tokens": int(plan.num_mine), "logits": {}}
+        if step.probe is not None:
+            rows = np.concatenate(
+                [np.arange(s.probe_start, s.probe_start + s.extend_len) for s in step.sequences]
+            )
+            out["out"] = self._probe(shard, plan, attn, step.probe, rows)
+            out["tokens"] = plan.my_tokens
+        else:
+            out["logits"] = self._forward(shard, plan, attn, step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out["compute_s"] = time.perf_counter() - t0
+        out["mode"] = attn.last_mode
+        out["exchange_bytes"] = int(attn.exchange_bytes)
+        return out
+
+    def _probe(
+        self, shard: LaneShard, plan: StepPlan, attn: CPAttention, probe, rows: np.ndarray
+    ) -> torch.Tensor:
+        q, k, v = probe
+        mine = torch.from_numpy(rows[plan.my_tokens]).long()
+        dev, dtype = self.device, shard.k[0].dtype
+        scale = q.shape[-1] ** -0.5
+        o = attn.forward(
+            shard.k[0],
+            shard.v[0],
+            q[mine].to(dev),
+            k[mine].to(dev, dtype),
+            v[mine].to(dev, dtype),
+            scale,
+        )
+        return o.cpu()
+
+    def _forward(
+        self, shard: LaneShard, plan: StepPlan, attn: CPAttention, step: StepInput
+    ) -> dict[int, np.ndarray]:
+        model = self.model
+        if model is None:
+            raise ValueError("this pool has no model: connect(..., model=...) to prefill")
+        dev = self.device
+        ids = np.concatenate([s.token_ids for s in step.sequences])
+        mine = np.ascontiguousarray(plan.my_tokens)
+        tokens = torch.from_numpy(ids[mine]).to(dev)
+        positions = torch.from_numpy(np.array(plan.my_positions, dtype=np.int64)).to(dev)
+        hidden = model.embed(tokens)
+        for layer in range(model.config.num_layers):
+            q, k, v = model.attention_inputs(layer, hidden, positions)
+            o = attn.forward(shard.k[layer], shard.v[layer], q, k, v, model.sm_scale)
+            hidden = model.finish_layer(layer, hidden, o)
+        last = [
+            b for b in range(plan.num_requests) if int(plan.last_token_owner[b]) == self.lane
+        ]
+        if not last:
+            return {}
+        rows = torch.as_tensor([int(plan.last_token_index[b]) for b in last], device=dev)
+        logits = model.logits(hidden[rows]).float().cpu().numpy()
+        return {b: logits[i] for i, b in enumerate(last)}
