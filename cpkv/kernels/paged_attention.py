@@ -49,19 +49,19 @@ class AttnConfig:
     num_stages: int
 
 
-# Tiling by (element size in bytes, padded head dim). Pre-measurement starting points taken from
-# the FA2 shape (128 query rows x 64 keys, 8 warps for D=128); see TUNING_NOTES for the H200
-# measurements that confirmed or replaced them.
+# Tiling by (element size in bytes, padded head dim). Starting points before the H200 runs, each
+# checked to compile for sm_90a without register spills (triton 3.9, ptxas -v): FA2's shape, 128
+# query rows x 64 keys at 8 warps for 16-bit (206 registers at D=128; 128-key tiles spilled
+# 100-230 B, 128 rows at 4 warps 670-840 B). fp32 runs its dots in IEEE fp32 on the FMA units (a
+# correctness path): the largest tiles that did not spill (64x32 at D=128 spilled 900 B).
 CONFIGS: dict[tuple[int, int], AttnConfig] = {
-    (2, 64): AttnConfig(block_m=128, block_n=64, heads_per_program=1, num_warps=4, num_stages=3),
+    (2, 64): AttnConfig(block_m=128, block_n=64, heads_per_program=1, num_warps=8, num_stages=3),
     (2, 128): AttnConfig(block_m=128, block_n=64, heads_per_program=1, num_warps=8, num_stages=3),
-    (2, 256): AttnConfig(block_m=64, block_n=32, heads_per_program=1, num_warps=4, num_stages=2),
-    # fp32 runs the dots in IEEE fp32 (no TF32): a correctness path, half the tile of 16-bit.
-    (4, 64): AttnConfig(block_m=64, block_n=32, heads_per_program=1, num_warps=4, num_stages=2),
-    (4, 128): AttnConfig(block_m=64, block_n=32, heads_per_program=1, num_warps=4, num_stages=2),
-    (4, 256): AttnConfig(block_m=32, block_n=32, heads_per_program=1, num_warps=4, num_stages=1),
+    (2, 256): AttnConfig(block_m=64, block_n=32, heads_per_program=1, num_warps=8, num_stages=2),
+    (4, 64): AttnConfig(block_m=64, block_n=32, heads_per_program=1, num_warps=8, num_stages=2),
+    (4, 128): AttnConfig(block_m=32, block_n=16, heads_per_program=1, num_warps=4, num_stages=2),
+    (4, 256): AttnConfig(block_m=16, block_n=16, heads_per_program=1, num_warps=4, num_stages=2),
 }
-TUNING_NOTES = "not yet measured"
 # Pages scanned per step when a program bounds its key range (positions + lengths: 12 B each).
 SCAN_BLOCK = 256
 # NOTE: tl.dot needs every tile dim >= 16.
