@@ -337,7 +337,7 @@ class Coordinator:
                     infos = [
                         self._channel.call(r, "info", timeout=t) for r in range(self.config.cp_size)
                     ]
-                    self._backend = choose_backend([i["device"] for i in infos])
+                    self._backend = choose_backend([_device_id(i) for i in infos])
                 host, port = self._channel.call(0, "rendezvous_address", timeout=t)
             except Exception as e:  # a lane died meanwhile: the heartbeat will see it
                 zeros = [0] * self.config.cp_size
@@ -552,3 +552,10 @@ class Coordinator:
                 self.expire_leases()
             except Exception:
                 logger.exception("heartbeat failed")
+
+
+def _device_id(info: dict) -> str:
+    """A lane's device, named uniquely across the pool (lanes on one GPU share a name)."""
+    if not info["device"].startswith("cuda"):
+        return "cpu"
+    return f"{info['node_id']}/cuda:{','.join(info['gpu_ids'])}"

@@ -1,0 +1,104 @@
+"""A Llama prefilled and decoded across the lanes equals transformers' own forward.
+
+Tiny random configs with odd sizes, fp32, CPU lanes on a local Ray (gloo).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.ray
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="session")
+def hf_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=60,
+        intermediate_size=100,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=10,
+        max_position_embeddings=1024,
+        rope_theta=500.0,
+        attn_implementation="eager",
+    )
+    return transformers.LlamaForCausalLM(config).float().eval()
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens))[None]).logits[0, -1].float().numpy()
+
+
+def assert_close(got: np.ndarray, want: np.ndarray) -> None:
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel < 1e-3, rel
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4], ids=lambda c: f"cp{c}")
+def test_prefill_chunks_prefix_reuse_and_decode_equal_transformers(make_client, hf_llama, cp):
+    c = make_client(cp_size=cp, num_pages_per_lane=40, model=hf_llama)
+    rng = np.random.default_rng(cp)
+    prompt = rng.integers(0, VOCAB, size=45)
+    res = c.prefill("whole", prompt)
+    assert res.logits.shape == (VOCAB,) and res.logits.dtype == np.float32
+    assert_close(res.logits, hf_logits(hf_llama, prompt))
+    assert (cp == 1) == (res.allocation.page_owners is None)
+    # Chunked prefill: each chunk's last-token logits.
+    seq = np.empty(0, dtype=np.int64)
+    for n in (13, 9, 11):
+        chunk = rng.integers(0, VOCAB, size=n)
+        seq = np.concatenate([seq, chunk])
+        assert_close(c.prefill("chunked", chunk).logits, hf_logits(hf_llama, seq))
+    # A new request reusing the cached prefix of a freed one.
+    c.free("whole")
+    shared = np.concatenate([prompt[:24], rng.integers(0, VOCAB, size=10)])
+    res = c.prefill("reuse", shared)
+    assert res.allocation.prefix_len == 24 and res.allocation.cached_len == 24
+    assert_close(res.logits, hf_logits(hf_llama, shared))
+    # Decode several steps, two requests at once.
+    seqs = {"chunked": seq, "reuse": shared}
+    for _ in range(3):
+        nxt = [int(np.argmax(hf_logits(hf_llama, s))) for s in seqs.values()]
+        got = c.decode(list(seqs), nxt)
+        seqs = {
+            rid: np.concatenate([s, [t]]) for (rid, s), t in zip(seqs.items(), nxt, strict=True)
+        }
+        for row, s in zip(got, seqs.values(), strict=True):
+            assert_close(row, hf_logits(hf_llama, s))
+    report = c.check()
+    assert report["ok"], report
+
+
+@pytest.mark.parametrize("cp", [2, 3], ids=lambda c: f"cp{c}")
+def test_generate_equals_transformers_greedy(make_client, hf_llama, cp):
+    c = make_client(cp_size=cp, num_pages_per_lane=40, model=hf_llama)
+    prompt = np.random.default_rng(7).integers(0, VOCAB, size=21)
+    got = c.generate("g", prompt, max_new_tokens=8)
+    with torch.no_grad():
+        want = hf_llama.generate(
+            torch.as_tensor(prompt)[None],
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+    assert got == want
+    c.free("g")
+
+
+def test_a_pool_without_a_model_refuses_prefill(make_client):
+    from cpkv import InvalidRequestError
+
+    c = make_client()
+    with pytest.raises((InvalidRequestError, ValueError), match="model"):
+        c.prefill("r", np.arange(10))
