@@ -291,7 +291,7 @@ class CPAllocator:
 
     @classmethod
     def from_config(cls, config: CPConfig, **kwargs) -> CPAllocator:
-        return cls(
+        alloc = cls(
             config.cp_size,
             config.page_size,
             config.num_pages_per_lane,
@@ -299,6 +299,8 @@ class CPAllocator:
             config.max_context_len,
             **kwargs,
         )
+        alloc.config = config
+        return alloc
 
     # ---------------------------------------------------------------- queries
     def num_free_pages_per_lane(self) -> np.ndarray:
@@ -792,7 +794,9 @@ class CPAllocator:
         plan = (
             None
             if reason
-            else build_owner_plan(extend_len, prefix_len, self.page_size, self.cp_size)
+            else build_owner_plan(
+                extend_len, prefix_len, self.page_size, self.cp_size, self.config.owner_split
+            )
         )
         num_new = self._num_new_pages(prefix_len, extend_len)
         assert plan is None or plan.num_pages == num_new, (plan.num_pages, num_new)

@@ -67,6 +67,7 @@ def connect(
     model_seed: int | None = None,
     gpu_memory_utilization: float | None = None,
     attention_mode: str = "auto",
+    owner_split: str = "zigzag",
 ) -> CPKVClient:
     """Start or attach to Ray, get or create the named coordinator and its lanes.
 
@@ -101,6 +102,7 @@ def connect(
             ``num_pages_per_lane``; the smallest lane sets the pool's size.
         attention_mode: the exchange of CP attention steps: ``auto`` (chosen per step by
             measured cost), ``pass_q`` or ``pass_kv``.
+        owner_split: ``zigzag`` (default) or ``contiguous``, an ablation of the owner plan.
 
     Returns:
         A :class:`CPKVClient`.
@@ -117,7 +119,9 @@ def connect(
         raise InvalidRequestError(
             f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]"
         )
-    config = CPConfig(cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len)
+    config = CPConfig(
+        cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len, owner_split
+    )
     if lease_s is not None and not lease_s > 0:
         raise InvalidRequestError(f"lease_s={lease_s!r} must be > 0 or None")
     spec = None
@@ -175,7 +179,7 @@ def connect(
                     f"gpu_memory_utilization={gpu_memory_utilization} leaves room for "
                     f"{min(caps)} pages on the smallest lane (per lane: {caps})"
                 )
-            config = CPConfig(cp_size, page_size, min(caps), max_reqs, max_context_len)
+            config = CPConfig(cp_size, page_size, min(caps), max_reqs, max_context_len, owner_split)
         opts = {"name": name, "namespace": NAMESPACE, "get_if_exists": True}
         if detached:
             opts["lifetime"] = "detached"
@@ -193,7 +197,12 @@ def connect(
         spec.remove()
     if placement is None and gpu_memory_utilization is not None:
         config = CPConfig(
-            cp_size, page_size, client.config.num_pages_per_lane, max_reqs, max_context_len
+            cp_size,
+            page_size,
+            client.config.num_pages_per_lane,
+            max_reqs,
+            max_context_len,
+            owner_split,
         )
     if client.config != config and placement is None:
         client.shutdown()

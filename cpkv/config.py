@@ -22,6 +22,7 @@ class CPConfig:
             (it is reserved as the padding target), so >= 2.
         max_reqs: rows of the request table (concurrent requests).
         max_context_len: most tokens one request may hold.
+        owner_split: ``zigzag`` (default) or ``contiguous`` (an ablation: one range a lane).
     """
 
     cp_size: int
@@ -29,6 +30,7 @@ class CPConfig:
     num_pages_per_lane: int
     max_reqs: int = 256
     max_context_len: int = 1 << 20
+    owner_split: str = "zigzag"
 
     def __post_init__(self) -> None:
         check_int("cp_size", self.cp_size, minimum=1)
@@ -36,6 +38,12 @@ class CPConfig:
         check_int("num_pages_per_lane", self.num_pages_per_lane, minimum=2)
         check_int("max_reqs", self.max_reqs, minimum=1)
         check_int("max_context_len", self.max_context_len, minimum=1)
+        if self.owner_split not in ("zigzag", "contiguous"):
+            from cpkv.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"owner_split={self.owner_split!r}; expected 'zigzag' or 'contiguous'"
+            )
         # NOTE: global page ids are int32; keep them representable.
         total = self.cp_size * self.num_pages_per_lane
         if total >= 2**31:

@@ -25,6 +25,10 @@ REASON_PREFIX_NOT_ALIGNED = "prefix_not_page_aligned"
 REASON_EXTEND_TOO_SHORT = "extend_too_short"
 REASON_MULTI_BATCH = "multi_batch"
 
+# How the 2 * cp_size segments go to lanes: "zigzag" (lane r: segments r and 2cp-1-r, which
+# balances causal attention) or "contiguous" (lane r: segments 2r and 2r+1; the ablation).
+SPLITS = ("zigzag", "contiguous")
+
 
 def _checked(extend_len, extend_prefix_len, page_size, cp_size) -> tuple[int, int, int, int]:
     return (
@@ -84,11 +88,17 @@ def _segment_bounds(num_pages: int, num_segments: int) -> np.ndarray:
     return bounds
 
 
-def _owners_from_bounds(cp_size: int, bounds: np.ndarray) -> np.ndarray:
+def _segment_owners(cp_size: int, split: str) -> np.ndarray:
     lanes = np.arange(cp_size, dtype=np.int32)
-    # Segment s is owned by s, then mirrored; one repeat fills all pages without a Python loop.
-    segment_owner = np.concatenate([lanes, lanes[::-1]])
-    return np.repeat(segment_owner, np.diff(bounds))
+    if split == "contiguous":
+        return np.repeat(lanes, 2)
+    # Segment s is owned by s, then mirrored.
+    return np.concatenate([lanes, lanes[::-1]])
+
+
+def _owners_from_bounds(cp_size: int, bounds: np.ndarray, split: str = "zigzag") -> np.ndarray:
+    # One repeat fills all pages without a Python loop.
+    return np.repeat(_segment_owners(cp_size, split), np.diff(bounds))
 
 
 def build_in_seq_page_compute_owners(
@@ -136,26 +146,34 @@ class OwnerPlan:
 
 
 def build_owner_plan(
-    extend_len: int, extend_prefix_len: int, page_size: int, cp_size: int
+    extend_len: int, extend_prefix_len: int, page_size: int, cp_size: int, split: str = "zigzag"
 ) -> OwnerPlan | None:
     """Build the zigzag owner plan with each lane's token ranges, or ``None``.
+
+    ``split="contiguous"`` gives lane ``r`` segments ``2r`` and ``2r + 1`` instead (one
+    contiguous range a lane): the ablation that shows why the plan zigzags.
 
     Raises:
         InvalidRequestError (a ValueError): bad arguments.
     """
+    if split not in SPLITS:
+        from cpkv.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"split={split!r}; expected one of {SPLITS}")
     if in_seq_page_compute_owner_unavailable_reason(
         extend_len, extend_prefix_len, page_size, cp_size
     ):
         return None
     num_pages = -(-extend_len // page_size)
     bounds = _segment_bounds(num_pages, 2 * cp_size)
-    owners = _owners_from_bounds(cp_size, bounds)
-    sizes = np.diff(bounds)
-    per_lane = sizes[:cp_size] + sizes[cp_size:][::-1]
+    owners = _owners_from_bounds(cp_size, bounds, split)
+    seg_owner = _segment_owners(cp_size, split)
+    per_lane = np.bincount(seg_owner, weights=np.diff(bounds), minlength=cp_size).astype(np.int64)
     tb = np.minimum(bounds * page_size, extend_len).tolist()
-    last = 2 * cp_size - 1
     ranges = tuple(
-        tuple((tb[s], tb[s + 1]) for s in (r, last - r) if tb[s + 1] > tb[s])
+        tuple(
+            (tb[s], tb[s + 1]) for s in np.flatnonzero(seg_owner == r).tolist() if tb[s + 1] > tb[s]
+        )
         for r in range(cp_size)
     )
     return OwnerPlan(owners, bounds, per_lane, ranges)
