@@ -1,0 +1,215 @@
+"""GPU: a 1B-class Llama prefilled across the lanes against transformers, in one run.
+
+Llama-3.2-1B's shape with random bf16 weights (seed 0, drawn alike by the driver and
+every lane), a prompt of ``--tokens`` tokens (32k by default):
+
+* transformers' own forward (``attn_implementation="sdpa"``, ``logits_to_keep=1``) of
+  the same weights: the time to beat and the reference logits;
+* cpkv ``client.prefill`` at cp = 1, 2, 4 (lanes packed on the one GPU with fractional
+  ``num_gpus``): wall time per prefill, each lane's compute time and their balance,
+  and the logits against transformers' (bf16: max relative error and the top-1 token);
+* the cp=1 attention step through the lane (a probe step: store K/V, paged attention)
+  against plain SDPA on contiguous K/V of the same shape, on the same GPU.
+
+Usage: python benchmarks/bench_prefill_gpu.py [--tokens 32768] [--cps 1,2,4] [--json PATH]
+Without CUDA it prints why and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import numpy as np
+import torch
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def _time(fn, repeats: int) -> tuple[float, object]:
+    fn()  # warm-up (compiles)
+    _sync()
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        _sync()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def _compare(got: np.ndarray, want: np.ndarray) -> dict:
+    rel = float(np.abs(got - want).max() / np.abs(want).max())
+    top5 = set(np.argsort(-want)[:5].tolist())
+    return {
+        "max_rel_err": rel,
+        "top1_equal": int(np.argmax(got)) == int(np.argmax(want)),
+        "top5_overlap": len(top5 & set(np.argsort(-got)[:5].tolist())),
+    }
+
+
+def hf_reference(config, tokens: np.ndarray, repeats: int) -> tuple[dict, np.ndarray]:
+    """transformers' forward of the seed-0 weights (written as a checkpoint, read back by
+    ``from_pretrained`` as any user's would be)."""
+    import tempfile
+
+    import transformers
+
+    from cpkv.models import LlamaModel
+    from cpkv.models.spec import save_checkpoint
+
+    with tempfile.TemporaryDirectory() as path:
+        save_checkpoint(LlamaModel.random(config, seed=0, device="cpu"), path)
+        model = transformers.LlamaForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    model = model.to("cuda").eval()
+    ids = torch.as_tensor(tokens, device="cuda")[None]
+
+    def forward() -> torch.Tensor:
+        return model(ids, logits_to_keep=1).logits[0, -1].float()
+
+    with torch.no_grad():
+        t, out = _time(forward, repeats)
+    logits = out.cpu().numpy()
+    model.to("cpu")  # give the GPU back to the lanes
+    torch.cuda.empty_cache()
+    return {"prefill_s": t, "tokens_per_s": len(tokens) / t}, logits
+
+
+def cpkv_prefill(config, cp: int, prompts: list[np.ndarray], ref: np.ndarray) -> dict:
+    import cpkv
+    from cpkv.models.spec import ModelSpec
+
+    n = len(prompts[0])
+    pages = -(-n // 64) // cp + 8
+    client = cpkv.connect(
+        cp_size=cp,
+        page_size=64,
+        num_pages_per_lane=pages,
+        max_context_len=2 * n,
+        model=ModelSpec(config, seed=0),
+        name=f"bench-prefill-{cp}",
+        timeout_s=600,
+    )
+    try:
+        walls, lanes, modes = [], [], []
+        for i, p in enumerate(prompts):
+            t0 = time.perf_counter()
+            res = client.prefill(f"p{i}", p)
+            walls.append(time.perf_counter() - t0)
+            lanes.append(res.lane_seconds)
+            modes.append(res.mode)
+            if i == 0:
+                first = _compare(res.logits, ref)
+            client.free(f"p{i}", cache=False)
+        timed = walls[1:] or walls  # the first call compiles the kernels
+        lane_s = np.mean(lanes[1:] or lanes, axis=0)
+        out = {
+            "cp": cp,
+            "prefill_s": float(np.min(timed)),
+            "first_call_s": walls[0],
+            "lane_s": lane_s.tolist(),
+            "lane_imbalance": float(lane_s.max() / lane_s.mean()),
+            "mode": modes[-1],
+            **first,
+        }
+        if cp == 1:
+            out["attention_step"] = attention_step(client, config, n)
+        return out
+    finally:
+        client.shutdown()
+
+
+def attention_step(client, config, n: int) -> dict:
+    """A cp=1 probe step (store K/V + paged attention in the lane) vs SDPA on contiguous K/V."""
+    import torch.nn.functional as F
+
+    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(n, hq, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(n, hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(n, hkv, d, generator=g).to(torch.bfloat16)
+    tokens = np.zeros(n, dtype=np.int64)
+    lane, wall = [], []
+    for i in range(3):
+        t0 = time.perf_counter()
+        res = client.prefill(f"probe{i}", tokens + i, probe=(q, k, v))
+        wall.append(time.perf_counter() - t0)
+        lane.append(res.lane_seconds[0])
+        client.free(f"probe{i}", cache=False)
+    qc, kc, vc = (t.cuda().transpose(0, 1)[None] for t in (q, k, v))
+    kc, vc = (t.repeat_interleave(hq // hkv, dim=1) for t in (kc, vc))
+    sdpa, _ = _time(lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=True), 5)
+    lane_s = min(lane[1:])
+    return {
+        "lane_step_s": lane_s,
+        "round_trip_s": min(wall[1:]),
+        "sdpa_s": sdpa,
+        "lane_over_sdpa": lane_s / sdpa,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--tokens", type=int, default=32 << 10)
+    p.add_argument("--cps", default="1,2,4")
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device; skipping")
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+    import transformers
+
+    from cpkv.models import ModelConfig
+
+    config = ModelConfig.llama_3_2_1b()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, config.vocab_size, size=args.tokens) for _ in range(args.prompts)]
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, python {platform.python_version()}; Llama-3.2-1B shape, "
+        f"random bf16 weights, {args.tokens} tokens"
+    )
+    hf, ref = hf_reference(config, prompts[0], repeats=3)
+    print(
+        f"transformers sdpa forward: {hf['prefill_s'] * 1e3:.0f} ms "
+        f"({hf['tokens_per_s']:.0f} tok/s)"
+    )
+    ray.init(include_dashboard=False, num_cpus=16, num_gpus=1, log_to_driver=False)
+    rows = []
+    for cp in [int(x) for x in args.cps.split(",")]:
+        row = cpkv_prefill(config, cp, prompts, ref)
+        rows.append(row)
+        lanes = ", ".join(f"{s * 1e3:.0f}" for s in row["lane_s"])
+        print(
+            f"cp={cp}: prefill {row['prefill_s'] * 1e3:.0f} ms = "
+            f"{row['prefill_s'] / hf['prefill_s']:.2f}x transformers (target cp=1 <= 1.3x); "
+            f"lane compute [{lanes}] ms, max/mean {row['lane_imbalance']:.2f}; mode {row['mode']}; "
+            f"logits vs transformers: max rel err {row['max_rel_err']:.3g}, top-1 "
+            f"{'equal' if row['top1_equal'] else 'DIFFERENT'}, "
+            f"top-5 overlap {row['top5_overlap']}/5"
+        )
+        if "attention_step" in row:
+            a = row["attention_step"]
+            print(
+                f"cp=1 attention step in the lane {a['lane_step_s'] * 1e3:.1f} ms vs SDPA on "
+                f"contiguous K/V {a['sdpa_s'] * 1e3:.1f} ms = {a['lane_over_sdpa']:.2f}x "
+                f"(round trip with the probe's transfer {a['round_trip_s'] * 1e3:.0f} ms)"
+            )
+    ray.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"transformers": hf, "cpkv": rows, "tokens": args.tokens}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
