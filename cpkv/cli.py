@@ -32,12 +32,23 @@ def _ints(text: str) -> list[int]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpkv", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="chunked prefill with shared prefixes under pressure")
+    d = sub.add_parser(
+        "demo",
+        help="a small Llama on the lanes: shared-prefix prompts in chunks under pool pressure, "
+        "decode, every request's logits checked against one device",
+    )
+    d.add_argument(
+        "--model", default=None, metavar="DIR", help="a local checkpoint (default: random weights)"
+    )
     d.add_argument("--cp-size", type=int, default=4)
-    d.add_argument("--page-size", type=int, default=16)
-    d.add_argument("--pages-per-lane", type=int, default=56)
-    d.add_argument("--prompts", type=int, default=32)
+    d.add_argument("--prompts", type=int, default=24)
     d.add_argument("--workers", type=int, default=4)
+    d.add_argument("--seed", type=int, default=0, help="random weights' and prompts' seed")
+    d.add_argument("--decode-tokens", type=int, default=3)
+    d.add_argument("--page-size", type=int, default=16)
+    d.add_argument(
+        "--pages-per-lane", type=int, default=None, help="default: sized for pool pressure"
+    )
     d.add_argument("--address", default=None, help="'auto' or ray://...; default: embedded Ray")
     d.add_argument("--num-gpus-per-lane", type=float, default=None)
     d.add_argument("--no-progress", action="store_true")
@@ -75,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             page_size=args.page_size,
             num_pages_per_lane=args.pages_per_lane,
             num_prompts=args.prompts,
+            decode_tokens=args.decode_tokens,
             workers=args.workers,
+            model_dir=args.model,
+            seed=args.seed,
             address=args.address,
             num_gpus_per_lane=args.num_gpus_per_lane,
             progress=not args.no_progress,

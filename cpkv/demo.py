@@ -1,199 +1,546 @@
-"""``cpkv demo``: chunked prefill of shared-prefix prompts under memory pressure.
+"""``cpkv demo``: a small Llama prefilled and decoded across the lanes, checked on one device.
 
-Worker threads play prefill jobs: each takes a prompt, allocates it chunk by
-chunk (backing off on KVCapacityWaitError), stores its K/V through the lanes,
-decodes a few tokens, reads all its K/V back and checks it, then frees with
-caching. The pool is sized so that prefix eviction and capacity waits happen.
+The model (random weights from a seed, or a local checkpoint directory) runs on ``cp_size``
+lanes. Worker threads play prefill jobs: each takes a prompt (prompts share a few prefixes),
+prefills it chunk by chunk with :meth:`cpkv.CPKVClient.prefill` (capacity waits back off until
+a deadline; a request that cannot go on is freed without caching and queued again), decodes a
+few tokens greedily with :meth:`cpkv.CPKVClient.decode`, and frees the request with caching.
+The pool is sized so that prefix eviction and capacity waits happen.
+
+Every request's last-token logits after its last prefill chunk and after each decode step are
+compared with a single-device run of the same weights in this process: the whole sequence
+through :meth:`cpkv.models.LlamaModel.forward` with plain causal
+``torch.nn.functional.scaled_dot_product_attention`` (KV heads repeated for GQA). The demo
+exits 0 only when every comparison is within tolerance and the pool's accounting is exact.
+
+When this process has no Ray yet, the demo starts its own, quietly (no lane log lines or Ray
+warnings through the progress bar), and stops it at the end; a Ray already initialised (tests,
+notebooks) is used as it is and left running.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
 import queue
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from cpkv.errors import KVCapacityWaitError
-from cpkv.workload import kv_for_tokens, shared_prefix_prompts
+from cpkv.models.config import ModelConfig
+from cpkv.workload import shared_prefix_prompts
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "DemoResult", "demo_model_config", "run", "run_demo", "tolerance_for"]
+
+logger = logging.getLogger("cpkv.demo")
+
+#: Relative error (``max |got - want| / max |want|``) allowed per model dtype. fp32 lanes and
+#: reference differ by summation order only; bf16 / fp16 round every layer's activations, and
+#: the lanes' partial-attention merge rounds differently from SDPA.
+TOLERANCES = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+def demo_model_config() -> ModelConfig:
+    """The demo's default model: a small fp32 Llama (hidden 128, 4 layers, 8 query / 2 KV heads
+    of 16, intermediate 344, vocab 512) that 4 CPU lanes load and run in seconds."""
+    return ModelConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=344,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        dtype="float32",
+    )
+
+
+def tolerance_for(dtype: str) -> float:
+    """The relative logits error the demo allows for a model of ``dtype``."""
+    return TOLERANCES.get(dtype, TOLERANCES["bfloat16"])
 
 
 @dataclass(slots=True)
 class DemoConfig:
+    """What the demo runs.
+
+    Attributes:
+        cp_size: lanes.
+        page_size: tokens per page.
+        num_pages_per_lane: the pool; ``None`` sizes it from the workload so that the workers'
+            requests do not all fit at once (eviction and capacity waits happen) while the
+            largest request fits alone.
+        num_prompts: prompts served.
+        num_prefixes, prefix_len: prompts share ``num_prefixes`` prefixes of this many tokens.
+        suffix_lens: ``[low, high)`` of each prompt's own suffix (lengths are made odd).
+        chunk_len: tokens per prefill chunk.
+        decode_tokens: greedy decode steps per request (each one checked).
+        workers: threads serving prompts at once.
+        model_dir: a local Hugging Face checkpoint directory; ``None``: random weights.
+        model_config: the architecture of random weights (``None``: :func:`demo_model_config`).
+        seed: the weights' seed (random weights) and the prompts' seed.
+        reference_seed: the seed of the reference's weights (``None``: ``seed``); a different
+            one makes every check fail (the demo's own test of its checking).
+        tolerance: allowed relative logits error; ``None``: :func:`tolerance_for` the dtype.
+        address: ``None`` for a local Ray (started quietly when this process has none),
+            ``"auto"`` or ``"ray://..."`` to attach.
+        num_gpus_per_lane: as :func:`cpkv.connect`.
+        deadline_s: how long one step retries capacity waits before its request is requeued.
+        max_attempts: attempts per prompt before the demo gives it up (and fails).
+        progress: show a progress bar on stderr.
+    """
+
     cp_size: int = 4
     page_size: int = 16
-    num_pages_per_lane: int = 56
-    num_prompts: int = 32
+    num_pages_per_lane: int | None = None
+    num_prompts: int = 24
+    num_prefixes: int = 3
+    prefix_len: int = 200
+    suffix_lens: tuple[int, int] = (101, 480)
     chunk_len: int = 256
-    decode_tokens: int = 8
+    decode_tokens: int = 3
     workers: int = 4
-    num_heads: int = 2
-    head_dim: int = 16
+    model_dir: str | None = None
+    model_config: ModelConfig | None = None
+    seed: int = 0
+    reference_seed: int | None = None
+    tolerance: float | None = None
     address: str | None = None
     num_gpus_per_lane: float | None = None
-    deadline_s: float = 1.0
+    deadline_s: float = 0.5
     max_attempts: int = 50
     progress: bool = True
-    seed: int = 0
 
 
 @dataclass(slots=True)
 class _Tally:
+    """Counts the worker threads add up (under ``lock``)."""
+
+    cp_size: int
     done: int = 0
     aborted: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
     tokens_prefilled: int = 0
-    tokens_verified: int = 0
-    kv_mismatches: int = 0
+    tokens_decoded: int = 0
+    cached_tokens: int = 0
+    checks: int = 0
+    mismatches: int = 0
+    max_rel_err: float = 0.0
+    requests_checked: int = 0
+    lane_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    lane_seconds: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    worst: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-
-def _serve(client, prompt: np.ndarray, rid: str, cfg: DemoConfig, tally: _Tally) -> bool:
-    """One request: chunked prefill, decode, verify, free. False if it had to give up."""
-    slots_all = []
-    pos = 0
-    try:
-        while pos < prompt.size:
-            chunk = prompt[pos : pos + cfg.chunk_len] if pos else prompt[: cfg.chunk_len]
-            alloc = client.allocate_extend_with_backoff(rid, chunk, deadline_s=cfg.deadline_s)
-            start = pos + alloc.cached_len if pos == 0 else pos
-            if pos == 0 and alloc.cached_len:
-                slots_all.append(alloc.cached_slots)
-            new = np.arange(start, start + alloc.extend_len)
-            k, v = kv_for_tokens(prompt[new], new, cfg.num_heads, cfg.head_dim)
-            slots = alloc.out_cache_loc
-            client.store_kv(slots, k, v)
-            slots_all.append(slots)
-            pos = start + alloc.extend_len
-            with tally.lock:
-                tally.tokens_prefilled += alloc.extend_len
-        tokens = prompt
-        for i in range(cfg.decode_tokens):
-            tok = np.array([(int(tokens[-1]) * 31 + i) % 1000])
-            (slot,) = client.allocate_decode([rid], tok)
-            position = np.array([tokens.size])
-            k, v = kv_for_tokens(tok, position, cfg.num_heads, cfg.head_dim)
-            client.store_kv([slot], k, v)
-            slots_all.append(np.array([slot]))
-            tokens = np.concatenate([tokens, tok])
-    except KVCapacityWaitError:
-        if rid in client.live_rids:  # mid-prefill: give its pages back, retry later
-            client.free(rid, cache=False)
-        return False
-    slots = np.concatenate(slots_all)
-    k, v = client.gather_kv(slots)
-    want_k, want_v = kv_for_tokens(tokens, np.arange(tokens.size), cfg.num_heads, cfg.head_dim)
-    ok = bool((k == want_k).all() and (v == want_v).all())
-    client.free(rid, cache=True)
-    with tally.lock:
-        tally.tokens_verified += tokens.size
-        tally.kv_mismatches += 0 if ok else 1
-    return True
+    def __post_init__(self) -> None:
+        self.lane_tokens = np.zeros(self.cp_size, np.int64)
+        self.lane_seconds = np.zeros(self.cp_size)
 
 
-def run_demo(cfg: DemoConfig, out=print) -> int:
-    """Run the demo; return the process exit code (0 only if every check holds)."""
-    import cpkv
+@dataclass(slots=True)
+class DemoResult:
+    """What one demo run found.
 
-    t0 = time.monotonic()
-    client = cpkv.connect(
-        cfg.address,
-        cp_size=cfg.cp_size,
-        page_size=cfg.page_size,
-        num_pages_per_lane=cfg.num_pages_per_lane,
-        max_reqs=64,
-        max_context_len=1 << 16,
-        num_heads=cfg.num_heads,
-        head_dim=cfg.head_dim,
-        dtype="float32",
-        num_gpus_per_lane=cfg.num_gpus_per_lane,
-        name=f"cpkv-demo-{time.time_ns()}",
-        heartbeat_s=0.5,
-    )
-    try:
-        return _run(client, cfg, out, t0)
-    finally:
-        client.shutdown()
+    Attributes:
+        exit_code: 0 only when every check held.
+        ok: ``exit_code == 0``.
+        wall_s: the whole run (Ray and lanes started, every prompt served).
+        serve_s: serving the prompts only.
+        num_prompts: prompts asked for.
+        served: prompts served to the end (prefill, decode, checks, free).
+        aborted: attempts given up under capacity pressure and queued again.
+        checks: logits compared with the reference (aborted attempts' too).
+        requests_checked: served requests whose last chunk and every decode step were checked.
+        mismatches: comparisons over the tolerance.
+        max_rel_err: the largest relative error seen.
+        tolerance: the relative error allowed.
+        tokens_prefilled: tokens the lanes computed in prefill steps.
+        tokens_decoded: tokens decoded.
+        cached_tokens: prompt tokens served from the prefix cache instead.
+        tokens_per_s: (prefilled + decoded) tokens per second of serving.
+        lane_tokens: prefill tokens each lane computed (the lane of each new token's page).
+        lane_seconds: each lane's compute seconds over all prefill steps.
+        accounting_exact: the coordinator's check holds, no request is left and every page is
+            free or cached.
+        stats: the coordinator's final :meth:`cpkv.CPKVClient.stats`.
+        failed: requests that failed, with why.
+    """
+
+    exit_code: int
+    wall_s: float
+    serve_s: float
+    num_prompts: int
+    served: int
+    aborted: int
+    checks: int
+    requests_checked: int
+    mismatches: int
+    max_rel_err: float
+    tolerance: float
+    tokens_prefilled: int
+    tokens_decoded: int
+    cached_tokens: int
+    tokens_per_s: float
+    lane_tokens: list[int]
+    lane_seconds: list[float]
+    accounting_exact: bool
+    stats: dict
+    failed: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
 
 
-def _run(client, cfg: DemoConfig, out, t0: float) -> int:
-    from tqdm import tqdm
+class Reference:
+    """The same weights on one device (this process): whole-sequence causal SDPA.
 
-    prompts = shared_prefix_prompts(cfg.num_prompts, seed=cfg.seed)
-    work: queue.Queue = queue.Queue()
-    for i, p in enumerate(prompts):
-        work.put((i, p, 0))
-    tally = _Tally()
-    bar = tqdm(
-        total=len(prompts), desc="prefill", unit="req", disable=not cfg.progress, leave=False
-    )
-    failed: list[str] = []
+    Args:
+        model: a :class:`cpkv.models.LlamaModel` (CPU).
+    """
 
-    def worker() -> None:
+    def __init__(self, model) -> None:
+        self.model = model
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, cfg: DemoConfig, model_config: ModelConfig) -> Reference:
+        """The reference model the demo's config names (``reference_seed`` for random weights)."""
+        from cpkv.models import LlamaModel
+
+        if cfg.model_dir is not None:
+            return cls(LlamaModel.from_dir(cfg.model_dir, dtype=model_config.dtype))
+        seed = cfg.seed if cfg.reference_seed is None else cfg.reference_seed
+        return cls(LlamaModel.random(model_config, seed))
+
+    def _attend(self, layer: int, q, k, v):
+        import torch.nn.functional as F
+
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)  # GQA: query head h reads KV head h // group
+        v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=self.model.sm_scale,
+        )
+        return out.transpose(0, 1)
+
+    def last_logits(self, tokens: np.ndarray) -> np.ndarray:
+        """fp32 ``[vocab]`` logits of the last token of ``tokens`` (a whole sequence)."""
+        import torch
+
+        # NOTE: one at a time: the workers share two cores with the lanes, and a serial
+        # reference keeps its latency (and the lanes' share of the cores) steady.
+        with self._lock, torch.no_grad():
+            ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+            hidden = self.model.forward(ids, torch.arange(ids.shape[0]), self._attend)
+            return self.model.logits(hidden[-1:])[0].numpy()
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """``max |got - want| / max |want|`` (inf when the shapes differ or anything is not finite)."""
+    if got.shape != want.shape or not (np.isfinite(got).all() and np.isfinite(want).all()):
+        return math.inf
+    return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
+
+
+def auto_pages_per_lane(cfg: DemoConfig) -> int:
+    """Pages per lane (reserved page included) for ``cfg``'s workload: the largest request
+    fits alone with room to spare, but the workers' requests together do not fit."""
+    ps, cp = cfg.page_size, cfg.cp_size
+    longest = cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens
+    mean = cfg.prefix_len + sum(cfg.suffix_lens) / 2 + cfg.decode_tokens
+    biggest = -(-longest // ps) + 1
+    total = max(math.ceil(1.5 * biggest), math.ceil(0.85 * max(1, cfg.workers) * mean / ps))
+    # NOTE: one request's pages are spread within a page of even over the lanes (zigzag
+    # segments, rotation); the +2 keeps the largest request placeable on any lane.
+    return -(-total // cp) + 2
+
+
+class _Serve:
+    """One demo run's shared state: the client, the reference, the prompts and the tally."""
+
+    def __init__(self, client, ref: Reference, cfg: DemoConfig, tol: float, bar) -> None:
+        self.client = client
+        self.ref = ref
+        self.cfg = cfg
+        self.tol = tol
+        self.bar = bar
+        self.tally = _Tally(cfg.cp_size)
+        self.page_size = client.config.page_size
+
+    def _record_prefill(self, res) -> None:
+        alloc = res.allocation
+        lanes = (alloc.out_cache_loc // self.page_size) % self.cfg.cp_size
+        counts = np.bincount(lanes, minlength=self.cfg.cp_size)
+        t = self.tally
+        with t.lock:
+            t.prefill_steps += 1
+            t.tokens_prefilled += alloc.extend_len
+            t.cached_tokens += alloc.cached_len
+            t.lane_tokens += counts
+            t.lane_seconds += np.asarray(res.lane_seconds, dtype=np.float64)
+
+    def _check(self, rid: str, tokens: np.ndarray, got: np.ndarray) -> bool:
+        err = rel_err(np.asarray(got, dtype=np.float32), self.ref.last_logits(tokens))
+        bad = not err < self.tol
+        t = self.tally
+        with t.lock:
+            t.checks += 1
+            t.max_rel_err = max(t.max_rel_err, err)
+            if bad:
+                t.mismatches += 1
+                if len(t.worst) < 5:
+                    t.worst.append(f"{rid} at {tokens.size} tokens: relative error {err:.3g}")
+        return not bad
+
+    def _decode(self, rid: str, token: int) -> np.ndarray:
+        """One decode step, retrying capacity waits until the deadline."""
+        end = time.monotonic() + self.cfg.deadline_s
+        backoff = 0.005
+        while True:
+            try:
+                return self.client.decode([rid], [token])[0]
+            except KVCapacityWaitError:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(left, backoff))
+                backoff = min(0.2, backoff * 2)
+
+    def serve(self, prompt: np.ndarray, rid: str) -> bool:
+        """One request: chunked prefill, check, decode and check, free. False: gave up under
+        pressure (its pages are freed; the caller queues it again)."""
+        cfg, client = self.cfg, self.client
+        try:
+            pos, res = 0, None
+            while pos < prompt.size:
+                chunk = prompt[pos : pos + cfg.chunk_len]
+                res = client.prefill(rid, chunk, deadline_s=cfg.deadline_s)
+                self._record_prefill(res)
+                pos += chunk.size
+            checked = int(self._check(rid, prompt, res.logits))
+            seq, logits = prompt, res.logits
+            for _ in range(cfg.decode_tokens):
+                token = int(np.argmax(logits))
+                logits = self._decode(rid, token)
+                seq = np.append(seq, token)
+                checked += int(self._check(rid, seq, logits))
+                with self.tally.lock:
+                    self.tally.decode_steps += 1
+                    self.tally.tokens_decoded += 1
+        except KVCapacityWaitError:
+            if rid in client.live_rids:  # mid-request: give its pages back, retry later
+                client.free(rid, cache=False)
+            return False
+        client.free(rid, cache=True)
+        with self.tally.lock:
+            self.tally.requests_checked += int(checked == 1 + cfg.decode_tokens)
+        return True
+
+    def worker(self, work: queue.Queue) -> None:
+        """Serve prompts from ``work`` until it is empty."""
+        t = self.tally
         while True:
             try:
                 i, prompt, attempt = work.get_nowait()
             except queue.Empty:
                 return
-            rid = f"req{i}.{attempt}"
+            rid = f"demo{i}.{attempt}"
             try:
-                served = _serve(client, prompt, rid, cfg, tally)
-            except Exception as e:  # report, keep the other workers going
-                failed.append(f"{rid}: {type(e).__name__}: {e}")
+                served = self.serve(prompt, rid)
+            except Exception as e:  # report it, keep the other workers going
+                with t.lock:
+                    t.failed.append(f"{rid}: {type(e).__name__}: {e}")
+                with contextlib.suppress(Exception):
+                    if rid in self.client.live_rids:
+                        self.client.free(rid, cache=False)
                 continue
             if served:
-                with tally.lock:
-                    tally.done += 1
-                bar.update(1)
-            elif attempt + 1 < cfg.max_attempts:
-                with tally.lock:
-                    tally.aborted += 1
+                with t.lock:
+                    t.done += 1
+                    errs = t.max_rel_err
+                self.bar.set_postfix_str(f"max rel err {errs:.1e}", refresh=False)
+                self.bar.update(1)
+            elif attempt + 1 < self.cfg.max_attempts:
+                with t.lock:
+                    t.aborted += 1
                 time.sleep(0.01 * (attempt + 1))
                 work.put((i, prompt, attempt + 1))
             else:
-                failed.append(f"{rid}: gave up after {attempt + 1} attempts")
+                with t.lock:
+                    t.failed.append(f"{rid}: gave up after {attempt + 1} attempts")
 
-    threads = [threading.Thread(target=worker) for _ in range(cfg.workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+
+def _start_ray(cfg: DemoConfig) -> bool:
+    """Start (or attach to) Ray quietly unless this process has it already; True when we did.
+
+    NOTE: :func:`cpkv.connect` forwards worker logs to the driver (``log_to_driver=True``),
+    which tears lane log lines through the progress bar; a Ray initialised here first is what
+    connect then uses.
+    """
+    import ray
+
+    from cpkv._ray_env import NAMESPACE, keep_ray_on_loopback, local_gpu_count
+
+    if ray.is_initialized():
+        return False
+    quiet = {
+        "namespace": NAMESPACE,
+        "log_to_driver": False,
+        "logging_level": logging.ERROR,
+        "configure_logging": True,
+    }
+    if cfg.address is not None:
+        ray.init(address=cfg.address, **quiet)
+        return True
+    keep_ray_on_loopback()
+    ray.init(
+        address="local",  # a Ray of our own, never one found via RAY_ADDRESS or /tmp/ray
+        include_dashboard=False,
+        num_cpus=max(4, cfg.cp_size + 2),
+        num_gpus=local_gpu_count() or cfg.cp_size,  # logical GPUs without real ones
+        **quiet,
+    )
+    return True
+
+
+def run(cfg: DemoConfig, out: Callable[[str], object] = print) -> DemoResult:
+    """Run the demo, print its report through ``out``; the :class:`DemoResult`."""
+    import cpkv
+
+    t0 = time.monotonic()
+    if cfg.model_dir is not None:
+        model_config = ModelConfig.from_dir(cfg.model_dir)
+        model: object = cfg.model_dir
+    else:
+        model_config = cfg.model_config or demo_model_config()
+        model = model_config
+    tol = cfg.tolerance if cfg.tolerance is not None else tolerance_for(model_config.dtype)
+    started = _start_ray(cfg)
+    try:
+        pages = cfg.num_pages_per_lane or auto_pages_per_lane(cfg)
+        longest = cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens
+        client = cpkv.connect(
+            cfg.address,
+            cp_size=cfg.cp_size,
+            page_size=cfg.page_size,
+            num_pages_per_lane=pages,
+            max_reqs=max(16, 4 * cfg.workers),
+            max_context_len=max(longest, 1024),
+            num_gpus_per_lane=cfg.num_gpus_per_lane,
+            name=f"cpkv-demo-{time.time_ns()}",
+            heartbeat_s=0.5,
+            model=model,
+            model_seed=cfg.seed if cfg.model_dir is None else None,
+        )
+        try:
+            ref = Reference.load(cfg, model_config)
+            return _run(client, ref, cfg, tol, out, t0)
+        finally:
+            client.shutdown()
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def run_demo(cfg: DemoConfig, out: Callable[[str], object] = print) -> int:
+    """Run the demo; the process exit code (0 only if every check holds)."""
+    return run(cfg, out).exit_code
+
+
+def _run(client, ref: Reference, cfg: DemoConfig, tol: float, out, t0: float) -> DemoResult:
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    vocab = ref.model.config.vocab_size
+    prompts = shared_prefix_prompts(
+        cfg.num_prompts,
+        num_prefixes=cfg.num_prefixes,
+        prefix_len=cfg.prefix_len,
+        suffix_lens=cfg.suffix_lens,
+        vocab=vocab,
+        seed=cfg.seed,
+        odd_lengths=True,
+    )
+    work: queue.Queue = queue.Queue()
+    for i, p in enumerate(prompts):
+        work.put((i, p, 0))
+    bar = tqdm(
+        total=len(prompts),
+        desc="requests",
+        unit="req",
+        disable=not cfg.progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
+    serve = _Serve(client, ref, cfg, tol, bar)
+    t1 = time.monotonic()
+    # NOTE: this process's log records go through tqdm.write, above the bar, not through it.
+    with logging_redirect_tqdm():
+        threads = [
+            threading.Thread(target=serve.worker, args=(work,), name=f"cpkv-demo-{w}")
+            for w in range(max(1, cfg.workers))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     bar.close()
-    elapsed = time.monotonic() - t0
+    serve_s = time.monotonic() - t1
+    tally = serve.tally
     stats = client.stats()
     lanes = client.lane_info()
     report = client.check()
-    out(_table(stats, lanes))
-    out("")
-    ok = (
-        not failed
-        and tally.done == len(prompts)
-        and tally.kv_mismatches == 0
-        and report["ok"]
-        and sum(stats["used"]) == 0
-        and stats["num_requests"] == 0
-    )
     total = stats["num_pages_per_lane"]
-    balanced = all(
-        f + u + c + r == total
+    every_page_home = all(
+        u == 0 and f + c + r == total
         for f, u, c, r in zip(
             stats["free"], stats["used"], stats["cached"], stats["reserved"], strict=True
         )
     )
-    ok = ok and balanced
+    exact = bool(report["ok"]) and every_page_home and stats["num_requests"] == 0
+    expected_checks = len(prompts) * (1 + cfg.decode_tokens)
+    ok = (
+        not tally.failed
+        and tally.done == len(prompts)
+        and tally.mismatches == 0
+        and tally.requests_checked == len(prompts)
+        and tally.checks >= expected_checks
+        and exact
+    )
+    wall_s = time.monotonic() - t0
+    tokens = tally.tokens_prefilled + tally.tokens_decoded
+    tps = tokens / serve_s if serve_s > 0 else 0.0
+    out(_table(stats, lanes, tally))
+    out("")
     out(
         f"requests served      {tally.done}/{len(prompts)} "
-        f"(aborted and retried after waits: {tally.aborted})"
+        f"(aborted under pressure and retried: {tally.aborted})"
     )
     out(
-        f"tokens prefilled     {tally.tokens_prefilled}  "
-        f"(cached prefix tokens reused: {stats['cached_tokens_hit']})"
+        f"tokens prefilled     {tally.tokens_prefilled} in {tally.prefill_steps} steps  "
+        f"(cached prefix tokens reused: {tally.cached_tokens}); decoded {tally.tokens_decoded}"
     )
     out(
-        f"K/V verified         {tally.tokens_verified} tokens, mismatching requests: "
-        f"{tally.kv_mismatches}"
+        f"logits checked       {tally.checks} vs one device (SDPA, {ref.model.config.dtype}): "
+        f"max relative error {tally.max_rel_err:.2e} (tolerance {tol:g}), "
+        f"mismatches {tally.mismatches}"
     )
     out(
         f"allocations          {stats['extend_allocations']} extend, "
@@ -205,21 +552,50 @@ def _run(client, cfg: DemoConfig, out, t0: float) -> int:
         f"{stats['evict_calls']} evictions, {stats['capacity_waits']} capacity waits"
     )
     out(
-        f"accounting           {'exact' if balanced and report['ok'] else 'BROKEN'}: "
-        f"lanes agree with the mirror: {report['ok']} {report['problems'] or ''}"
+        f"accounting           {'exact' if exact else 'BROKEN'}: lanes agree with the mirror: "
+        f"{report['ok']} {report['problems'] or ''}".rstrip()
     )
-    for line in failed[:5]:
+    out(
+        f"throughput           {tps:.0f} tokens/s ({tokens} tokens in {serve_s:.1f}s "
+        f"on {cfg.cp_size} lanes, {cfg.workers} workers)"
+    )
+    for line in (tally.worst + tally.failed)[:8]:
         out(f"failed: {line}")
-    out(f"{'OK' if ok else 'FAILED'} in {elapsed:.1f}s")
-    return 0 if ok else 1
+    out(f"{'OK' if ok else 'FAILED'} in {wall_s:.1f}s")
+    return DemoResult(
+        exit_code=0 if ok else 1,
+        wall_s=wall_s,
+        serve_s=serve_s,
+        num_prompts=len(prompts),
+        served=tally.done,
+        aborted=tally.aborted,
+        checks=tally.checks,
+        requests_checked=tally.requests_checked,
+        mismatches=tally.mismatches,
+        max_rel_err=tally.max_rel_err,
+        tolerance=tol,
+        tokens_prefilled=tally.tokens_prefilled,
+        tokens_decoded=tally.tokens_decoded,
+        cached_tokens=tally.cached_tokens,
+        tokens_per_s=tps,
+        lane_tokens=[int(x) for x in tally.lane_tokens],
+        lane_seconds=[float(x) for x in tally.lane_seconds],
+        accounting_exact=exact,
+        stats=stats,
+        failed=list(tally.failed),
+    )
 
 
-def _table(stats: dict, lanes: list[dict]) -> str:
-    head = f"{'lane':>4} {'device':>8} {'used':>6} {'cached':>7} {'free':>6} {'held':>6}"
+def _table(stats: dict, lanes: list[dict], tally: _Tally) -> str:
+    head = (
+        f"{'lane':>4} {'device':>8} {'used':>6} {'cached':>7} {'free':>6} {'held':>6} "
+        f"{'tokens':>8} {'compute s':>10}"
+    )
     rows = [head, "-" * len(head)]
     for r, info in enumerate(lanes):
         rows.append(
             f"{r:>4} {info['device']:>8} {stats['used'][r]:>6} {stats['cached'][r]:>7} "
-            f"{stats['free'][r]:>6} {info['held']:>6}"
+            f"{stats['free'][r]:>6} {info['held']:>6} {int(tally.lane_tokens[r]):>8} "
+            f"{tally.lane_seconds[r]:>10.2f}"
         )
     return "\n".join(rows)
