@@ -49,13 +49,21 @@ class AttnConfig:
     num_stages: int
 
 
-# Tiling by (element size in bytes, padded head dim). Starting points before the H200 runs, each
-# checked to compile for sm_90a without register spills (triton 3.9, ptxas -v): FA2's shape, 128
-# query rows x 64 keys at 8 warps for 16-bit (206 registers at D=128; 128-key tiles spilled
-# 100-230 B, 128 rows at 4 warps 670-840 B). fp32 runs its dots in IEEE fp32 on the FMA units (a
-# correctness path): the largest tiles that did not spill (64x32 at D=128 spilled 900 B).
+# Tiling by (element size in bytes, padded head dim). Every entry compiles for sm_90a without
+# register spills (triton 3.9, ptxas -v; 128-key tiles at D=128 spilled 100-230 B, 128 rows at
+# 4 warps 670-840 B). 16-bit entries measured on an H200 (triton 3.6; causal 32k, 32/8 heads,
+# page 64, bf16; docs/gpu-run/attention-bench.txt):
+# - D=128: 128 rows x 64 keys, 8 warps, 3 stages: 374 TFLOP/s. 64x64 at 4 warps gave 377-378 and
+#   packing 4 GQA heads per program 370-378, both within ~1% (run-to-run spread ~0.5%), so the
+#   FA2 shape stays; 2 stages cost 3% (364), 4 stages nothing (372), 32-key tiles 27% (271).
+# - D=64: 64 rows x 128 keys, 4 warps: 332 TFLOP/s, against 245 for 128x64 at 8 warps, 274 for
+#   64x64 and 292 for 128x128 (a 64-wide head halves the work per key tile, so wider key tiles
+#   amortise the softmax and loop overhead).
+# - D=256: not measured; 64x32 at 8 warps is the largest tile that did not spill.
+# fp32 runs its dots in IEEE fp32 on the FMA units (a correctness path, not tuned): the largest
+# tiles that did not spill (64x32 at D=128 spilled 900 B).
 CONFIGS: dict[tuple[int, int], AttnConfig] = {
-    (2, 64): AttnConfig(block_m=128, block_n=64, heads_per_program=1, num_warps=8, num_stages=3),
+    (2, 64): AttnConfig(block_m=64, block_n=128, heads_per_program=1, num_warps=4, num_stages=3),
     (2, 128): AttnConfig(block_m=128, block_n=64, heads_per_program=1, num_warps=8, num_stages=3),
     (2, 256): AttnConfig(block_m=64, block_n=32, heads_per_program=1, num_warps=8, num_stages=2),
     (4, 64): AttnConfig(block_m=64, block_n=32, heads_per_program=1, num_warps=8, num_stages=2),
