@@ -264,7 +264,7 @@ def auto_pages_per_lane(cfg: DemoConfig) -> int:
     longest = cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens
     mean = cfg.prefix_len + sum(cfg.suffix_lens) / 2 + cfg.decode_tokens
     biggest = -(-longest // ps) + 1
-    total = max(math.ceil(1.5 * biggest), math.ceil(0.85 * max(1, cfg.workers) * mean / ps))
+    total = max(math.ceil(1.5 * biggest), math.ceil(0.75 * max(1, cfg.workers) * mean / ps))
     # NOTE: one request's pages are spread within a page of even over the lanes (zigzag
     # segments, rotation); the +2 keeps the largest request placeable on any lane.
     return -(-total // cp) + 2
