@@ -1431,9 +1431,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @initialize(
         cp=st.integers(1, 3),
         ps=st.integers(1, 3),
-        npl=st.integers(3, 10),
+        npl=st.integers(4, 12),
         max_reqs=st.integers(3, 6),
         max_ctx=st.sampled_from([24, 64]),
+        leases=st.booleans(),
         base=st.lists(st.integers(0, VOCAB - 1), min_size=6, max_size=24),
         branches=st.lists(
             st.tuples(st.integers(0, 24), st.lists(st.integers(0, VOCAB - 1), max_size=12)),
@@ -1448,6 +1449,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         npl: int,
         max_reqs: int,
         max_ctx: int,
+        leases: bool,
         base: list[int],
         branches: list[tuple[int, list[int]]],
     ) -> None:
@@ -1466,6 +1468,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         )
         self.epoch = self.coord.hello()["epoch"]
         assert self.coord.lane_states() == ["up"] * cp
+        if leases:  # both clients hold leases from the start
+            self.hello("c0", 1.0)
+            self.hello("c1", 2.5)
 
     def teardown(self) -> None:
         if self.coord is not None:
@@ -1473,11 +1478,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.coord.shutdown()
 
     # ---------------------------------------------------------------- helpers
-    def _prompt(self, data: st.DataObject) -> list[int]:
+    def _prompt(self, data: st.DataObject, whole: bool = False) -> list[int]:
+        """A cut of a shared prefix (``whole``: all of it) plus a short random tail."""
         pre = data.draw(st.sampled_from(self.prefixes), label="prefix")
-        cut = data.draw(st.integers(0, len(pre)), label="cut")
+        cut = len(pre) if whole else data.draw(st.integers(0, len(pre)), label="cut")
         tail = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=8), label="tail")
-        toks = (pre[:cut] + tail)[: self.room]
+        room = data.draw(st.sampled_from([self.room, max(1, self.room // 2)]), label="room")
+        toks = (pre[:cut] + tail)[:room]
         return toks or [data.draw(st.integers(0, VOCAB - 1), label="one token")]
 
     def _chunk(self, data: st.DataObject, m: CReq) -> list[int]:
@@ -1605,7 +1612,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if self.lost.pop(rid, None) is None:
             del self.live[rid]
 
-    def _lose_lane(self, lane: int) -> list[Hashable]:
+    def _lose_lane(self, lane: int) -> None:
         """What a lane loss does: the requests with a page there are lost."""
         lost = [r for r, m in self.live.items() if any(p % self.cp == lane for p in m.pages)]
         for rid in lost:
@@ -1615,11 +1622,18 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.requests_lost += len(lost)
         self.cache_exact = False
         event(f"lane lost with {min(len(lost), 2)}+ requests")
-        return lost
 
     # ------------------------------------------------------------------ calls
     @rule(data=st.data())
     def extend(self, data: st.DataObject) -> None:
+        self._extend(data, whole=False)
+
+    @rule(data=st.data())
+    def extend_shared(self, data: st.DataObject) -> None:
+        """A new request (if the rid is free) on a whole shared prefix: cache hits."""
+        self._extend(data, whole=True)
+
+    def _extend(self, data: st.DataObject, *, whole: bool) -> None:
         rid = data.draw(st.sampled_from(C_RIDS), label="rid")
         client = data.draw(st.sampled_from(C_CLIENTS), label="client")
         m = self.live.get(rid)
@@ -1628,7 +1642,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             salts = [None, m.salt, m.salt] + [s for s in C_SALTS if not same_salt(s, m.salt)]
             salt = data.draw(st.sampled_from(salts), label="salt")
         else:
-            toks = self._prompt(data)
+            toks = self._prompt(data, whole)
             salt = data.draw(st.sampled_from(C_SALTS), label="salt")
         answer = self._call("allocate_extend", client, rid, toks, salt)
         notice = self._lapse_notice(client)
@@ -1751,6 +1765,17 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if m is None:
             assert isinstance(answer, InvalidRequestError), answer
             return
+        self._check_free(rid, m, answer, before, cache, committed)
+
+    def _check_free(
+        self,
+        rid: Hashable,
+        m: CReq,
+        answer: object,
+        before: dict,
+        cache: bool,
+        committed: int | None,
+    ) -> None:
         after = self.coord.stats()
         freed = int(np.sum(np.asarray(after["free"]) - np.asarray(before["free"])))
         assert answer == freed, (answer, freed)
@@ -1769,17 +1794,26 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 assert got <= self._cached_bound(other, run, n_full), (other, got)
             event("coordinator cached free")
 
+    @rule()
+    def finish(self) -> None:
+        """The oldest live request completes, its pages cached (no client: no lease)."""
+        if not self.live:
+            return
+        rid = next(iter(self.live))
+        m = self.live[rid]
+        before = self.coord.stats()
+        answer = self._call("free", None, rid, True, None)
+        self._check_free(rid, m, answer, before, True, None)
+
     # ----------------------------------------------------------------- leases
     @rule(data=st.data())
-    def leases_and_time(self, data: st.DataObject) -> None:
-        op = data.draw(st.sampled_from(["hello", "hello", "renew", "tick", "tick", "close"]))
+    def leases(self, data: st.DataObject) -> None:
+        op = data.draw(st.sampled_from(["hello", "hello", "renew", "close"]), label="lease op")
         client = data.draw(st.sampled_from(["c0", "c1", "c2"]), label="lease client")
         if op == "hello":
             self.hello(client, data.draw(st.sampled_from([1.0, 2.5, None]), label="lease_s"))
         elif op == "renew":
             self.renew(client)
-        elif op == "tick":
-            self.tick(data.draw(st.sampled_from([0.5, 1.0, 2.0]), label="dt"))
         else:
             self.close_lease(client)
 
@@ -1801,6 +1835,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if lease is not None:
             lease.expires_at = self.now + lease.lease_s
 
+    @rule(dt=st.sampled_from([0.5, 1.0, 2.0]))
     def tick(self, dt: float) -> None:
         """Time passes; the coordinator frees the requests of lapsed leases."""
         self.now += dt
@@ -1869,6 +1904,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self._lose_lane(lane)
         if reported is not None:
             assert reported == [r for r, x in self.lost.items() if x == lane], reported
+            # NOTE: report_lane_failure fails the lane again after probe() failed it; when
+            # the recovery won the race that is a second, empty loss (see
+            # test_report_of_a_restarted_lane_loses_it_once).
+            extra = self.coord.stats()["lane_losses"][len(self.losses) :]
+            if extra == [[lane, 0]]:
+                event("report lost the lane twice")
+                self.losses += extra
         state = self.coord.lane_states()[lane]
         if state == "dead":  # the recovery gave up before the restart (a slow machine)
             assert how == "kill_restart"
@@ -1885,7 +1927,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def kill_lane(self, data: st.DataObject) -> None:
         """A lane dies for good: the recovery gives up (about 0.2 s), the lane stays dead."""
         up = [r for r in range(self.cp) if r not in self.dead_lanes]
-        if not up or data.draw(st.integers(0, 2), label="kill?") != 0:
+        if not up or not data.draw(st.booleans(), label="kill?"):
             return
         lane = data.draw(st.sampled_from(up), label="lane")
         self.transport.kill(lane)
@@ -1939,6 +1981,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def retry(self) -> None:
         """A call sent again with its call id gets the first answer and changes nothing."""
         c = self.last_call
+        # NOTE: a lapse notice is not remembered for its call id: the retry runs the call
+        # (see test_retried_call_gets_its_lapse_notice_again).
         if c is None or isinstance(c.answer, LeaseExpiredError):
             return
         again = getattr(self.coord, c.method)(self.epoch, c.client, c.call_id, *c.args)
@@ -1951,6 +1995,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if coord is None:
             return
         cp, npl = self.cp, self.npl
+        coord.heartbeat_once()  # no lane restarted or disagrees with the core: no loss
         report = coord.check()  # waits for heartbeats ordered after every move
         dead = sorted(self.dead_lanes)
         assert report["problems"] == [f"lane {r}: dead" for r in dead], report
@@ -2022,8 +2067,8 @@ _SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 _COORD_SETTINGS = settings(
-    max_examples=60,
-    stateful_step_count=25,
+    max_examples=150,
+    stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -2100,3 +2145,73 @@ def test_salted_requests_share_pages_only_with_their_salt() -> None:
     assert a.allocate_extend("d", prompt, cache_salt="tenant-a").cached_len == 4
     assert a.match_prefix(prompt[:4], cache_salt="tenant-a").shape == (2,)
     assert a.match_prefix(prompt[:4]).shape == (0,)
+
+
+# ------------------------------------------------ known bugs (strict xfail)
+@pytest.mark.xfail(strict=True, reason="report_lane_failure fails the lane a second time")
+def test_report_of_a_restarted_lane_loses_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client reports a lane whose actor restarted: one loss, one recovery.
+
+    ``LaneHealth.probe`` already fails the lane it finds restarted and returns False;
+    ``Coordinator.report_lane_failure`` then calls ``fail`` again. When the recovery
+    thread has brought the lane back in between (here made certain; the coordinator
+    machine sees it now and then), the lane is lost a second time, with whatever was
+    allocated on it meanwhile.
+    """
+    from cpkv.lane_health import LaneHealth
+
+    probe = LaneHealth.probe
+
+    def probe_then_recover(self: LaneHealth, lane: int, timeout: float) -> bool:
+        ok = probe(self, lane, timeout)
+        self.wait_recovered(5)  # the recovery wins the race
+        return ok
+
+    monkeypatch.setattr(LaneHealth, "probe", probe_then_recover)
+    transport = LocalLaneTransport(1, 4, 1, _KV)
+    coord = Coordinator(CPConfig(1, 1, 4), _KV, transport, heartbeat_s=0)
+    try:
+        epoch = coord.hello()["epoch"]
+        coord.allocate_extend(epoch, None, None, "a", [1, 2])
+        transport.restart(0)
+        assert coord.report_lane_failure(epoch, 0, "seen by a client") == ["a"]
+        assert coord.wait_recovered(5)
+        assert coord.stats()["lane_losses"] == [[0, 1]]
+    finally:
+        coord.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="a lapse notice is not remembered for its call id")
+def test_retried_call_gets_its_lapse_notice_again() -> None:
+    """A call answered with LeaseExpiredError and sent again (the answer was lost) must get
+    the same answer; today it runs, so the request's next chunk becomes a new request."""
+    now = [0.0]
+    transport = LocalLaneTransport(1, 8, 1, _KV)
+    coord = Coordinator(CPConfig(1, 1, 8), _KV, transport, heartbeat_s=0, clock=lambda: now[0])
+    try:
+        epoch = coord.hello("c0", 1.0)["epoch"]
+        coord.allocate_extend(epoch, "c0", ("c0", 1), "a", [1, 2, 3])
+        now[0] = 2.0
+        assert coord.expire_leases() == 1
+        first = coord.allocate_extend(epoch, "c0", ("c0", 2), "a", [4])
+        assert isinstance(first, LeaseExpiredError) and first.rids == ["a"]
+        again = coord.allocate_extend(epoch, "c0", ("c0", 2), "a", [4])
+        assert again is first
+    finally:
+        coord.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="the rotation counts a down lane's evictable pages")
+def test_rotation_leaves_out_a_lane_that_is_down() -> None:
+    """Lane 1 is down but holds a cached page; lane 0 has two free pages for a two-page
+    fallback. The rotation counts lane 1's evictable page as room, proposes a page there,
+    and the step waits with ``lane_unavailable``. (The coordinator drops a lane before
+    taking it down, so it never gets here.)"""
+    a = CPAllocator(cp_size=2, page_size=1, num_pages_per_lane=4, max_reqs=4)
+    a.allocate_extend("b", [7])  # lane 0
+    a.allocate_extend("c", [8])  # lane 1
+    a.free("c", cache=True)  # lane 1's page: cached, evictable
+    a.set_lane_available(1, False)
+    assert a.stats()["free"] == [2, 2] and a.stats()["evictable"] == [0, 1]
+    al = a.allocate_extend("x", [1, 2])
+    assert (al.new_pages % 2).tolist() == [0, 0]
