@@ -1,9 +1,18 @@
-"""``cpkv bench``: allocation latency, throughput and lane balance against cp_size.
+"""``cpkv bench``: allocation latency, throughput and lane balance against cp_size; with
+``--prefill``, prefill time on the lanes against cp_size, zigzag against a contiguous split.
 
-For every (lanes, context) point a fresh coordinator and lanes are placed, then
-``requests`` distinct prompts of ``context`` tokens are allocated and freed by
-``concurrency`` threads over a pool that holds about ``concurrency`` of them, so
-the prefix cache fills and eviction (and sometimes capacity waits) happen.
+Allocation (:func:`run_bench`): for every (lanes, context) point a fresh coordinator and lanes
+are placed, then ``requests`` distinct prompts of ``context`` tokens are allocated and freed by
+``concurrency`` threads over a pool that holds about ``concurrency`` of them, so the prefix
+cache fills and eviction (and sometimes capacity waits) happen.
+
+Prefill (:func:`run_prefill_bench`): for every (lanes, context, split) point a fresh pool runs a
+model's prefill (random weights from a seed, or a checkpoint); after one warm-up prefill,
+``requests`` fresh prompts of ``context`` tokens are prefilled one at a time and timed, with each
+lane's compute time. The split is the owner plan's: ``zigzag`` (lane ``r`` owns segments ``r``
+and ``2 cp - 1 - r`` of ``2 cp``, balancing causal attention) or ``contiguous`` (lane ``r`` owns
+segments ``2r`` and ``2r + 1``, the same pages cut in one range a lane): the ablation that
+shows why the plan zigzags. cp 1 has no split.
 """
 
 from __future__ import annotations
@@ -20,7 +29,13 @@ import numpy as np
 
 from cpkv.errors import KVCapacityWaitError
 
-__all__ = ["BenchConfig", "run_bench"]
+__all__ = [
+    "PREFILL_FIELDS",
+    "BenchConfig",
+    "PrefillBenchConfig",
+    "run_bench",
+    "run_prefill_bench",
+]
 
 FIELDS = [
     "lanes",
@@ -216,6 +231,379 @@ def _plot(rows: list[dict], path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
         ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- prefill
+
+PREFILL_FIELDS = [
+    "lanes",
+    "context",
+    "split",
+    "requests",
+    "page_size",
+    "prefill_ms_p50",
+    "prefill_ms_min",
+    "tokens_per_s",
+    "lane_ms",
+    "imbalance",
+    "work_share",
+    "work_imbalance",
+    "lane_cpu_ms",
+    "cpu_imbalance",
+    "mode",
+    "fallback",
+    "device",
+    "model",
+    "dtype",
+]
+
+#: Random-weight models ``--model`` names instead of a checkpoint directory.
+MODEL_PRESETS = ("small", "tiny", "llama-3.2-1b")
+
+
+@dataclass(slots=True)
+class PrefillBenchConfig:
+    """What ``cpkv bench --prefill`` measures.
+
+    Attributes:
+        lanes: cp sizes.
+        contexts: prompt lengths in tokens (``None``: 2k and 4k, CPU-sized; pass 32k on GPUs).
+        requests: timed prefills per point (after one warm-up).
+        page_size: tokens per page.
+        model: a checkpoint directory, or a preset of random weights (``small``: the demo's
+            model; ``tiny``: :meth:`ModelConfig.tiny`; ``llama-3.2-1b``: that shape).
+        dtype: run the model in this dtype (``None``: the checkpoint's; fp32 for ``small`` and
+            ``tiny``, bf16 for ``llama-3.2-1b``).
+        splits: owner splits compared at cp >= 2.
+        attention_mode: the lanes' exchange (``auto``, ``pass_q``, ``pass_kv``).
+        address: ``None``: a local Ray (started quietly when this process has none).
+        strategy, num_gpus_per_lane: lane placement (see :func:`cpkv.connect`).
+        timeout_s: per-call timeout (long prompts on CPU take a while).
+        out_dir: where ``bench_prefill.{json,csv,png}`` go.
+        progress, plot: a progress bar; the PNG.
+        seed: weights' seed (presets) and prompts' seed.
+    """
+
+    lanes: list[int] = field(default_factory=lambda: [1, 2, 4])
+    contexts: list[int] | None = None
+    requests: int = 3
+    page_size: int = 64
+    model: str = "small"
+    dtype: str | None = None
+    splits: tuple[str, ...] = ("zigzag", "contiguous")
+    attention_mode: str = "auto"
+    address: str | None = None
+    strategy: str = "STRICT_PACK"
+    num_gpus_per_lane: float | None = None
+    timeout_s: float = 600.0
+    out_dir: str = "results"
+    progress: bool = True
+    plot: bool = True
+    seed: int = 0
+
+
+def _model_spec(cfg: PrefillBenchConfig):
+    """The :class:`cpkv.models.spec.ModelSpec` every point's lanes load."""
+    from cpkv.demo import demo_model_config
+    from cpkv.models import ModelConfig
+    from cpkv.models.spec import ModelSpec
+
+    if cfg.model in MODEL_PRESETS:
+        config = {
+            "small": demo_model_config,
+            "tiny": ModelConfig.tiny,
+            "llama-3.2-1b": ModelConfig.llama_3_2_1b,
+        }[cfg.model]()
+        longest = max(cfg.contexts or [0])
+        config = config.replace(
+            max_position_embeddings=max(config.max_position_embeddings, longest)
+        )
+        if cfg.dtype is not None:
+            config = config.replace(dtype=cfg.dtype)
+        return ModelSpec(config, seed=cfg.seed)
+    spec = ModelSpec.from_source(os.path.abspath(cfg.model))
+    if cfg.dtype is not None and cfg.dtype != spec.config.dtype:
+        spec = ModelSpec(spec.config.replace(dtype=cfg.dtype), path=spec.path)
+    return spec
+
+
+def _lane_cpu_seconds(pids: list[int] | None) -> list[float] | None:
+    """CPU seconds each lane process has used so far (``None`` when not readable here)."""
+    if pids is None:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out.append((int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return None
+    return out
+
+
+def causal_work_by_lane(alloc, cp_size: int) -> np.ndarray:
+    """Causal attention work each lane's queries have in one prefill step: for every new token
+    its compute owner (the lane of its page) attends ``position + 1`` keys.
+
+    What a causal kernel that skips masked tiles spends per lane: the planned balance.
+    """
+    positions = alloc.prefix_len + np.arange(alloc.extend_len, dtype=np.int64)
+    lanes = (alloc.out_cache_loc // alloc.page_size) % cp_size
+    return np.bincount(lanes, weights=positions + 1, minlength=cp_size)
+
+
+def _max_over_mean(values) -> float:
+    arr = np.asarray(values, dtype=np.float64)
+    mean = float(arr.mean()) if arr.size else 0.0
+    return float(arr.max() / mean) if mean > 0 else float("nan")
+
+
+def _prefill_point(cfg: PrefillBenchConfig, spec, cp: int, context: int, split: str) -> dict:
+    import ray
+
+    import cpkv
+
+    pages = -(-context // cfg.page_size)
+    # One request at a time: its share of pages on every lane, the reserved page and slack.
+    per_lane = -(-pages // cp) + 3
+    client = cpkv.connect(
+        cfg.address,
+        cp_size=cp,
+        page_size=cfg.page_size,
+        num_pages_per_lane=per_lane,
+        max_reqs=8,
+        max_context_len=context,
+        num_gpus_per_lane=cfg.num_gpus_per_lane,
+        strategy=cfg.strategy,
+        name=f"cpkv-bench-prefill-{cp}-{context}-{split}-{time.time_ns()}",
+        timeout_s=cfg.timeout_s,
+        model=spec,
+        attention_mode=cfg.attention_mode,
+        owner_split="zigzag" if split == "none" else split,
+    )
+    try:
+        info = client.lane_info()
+        here = ray.get_runtime_context().get_node_id()
+        local_cpu = all(i["device"] == "cpu" and i["node_id"] == here for i in info)
+        pids = [int(i["pid"]) for i in info] if local_cpu else None
+        # NOTE: the same prompts at every (cp, split) of a context: fresh random tokens, so no
+        # prefix is ever cached; each request is freed without caching.
+        rng = np.random.default_rng([cfg.seed, context])
+        vocab = spec.config.vocab_size
+        client.prefill("warm-up", rng.integers(0, vocab, size=context))
+        client.free("warm-up", cache=False)
+        walls, lane_s, cpu_s, work, modes, fallbacks = [], [], [], [], [], set()
+        for i in range(cfg.requests):
+            prompt = rng.integers(0, vocab, size=context)
+            c0 = _lane_cpu_seconds(pids)
+            t0 = time.perf_counter()
+            res = client.prefill(f"p{i}", prompt)
+            walls.append(time.perf_counter() - t0)
+            c1 = _lane_cpu_seconds(pids)
+            client.free(f"p{i}", cache=False)
+            lane_s.append(res.lane_seconds)
+            if c0 is not None and c1 is not None:
+                cpu_s.append([b - a for a, b in zip(c0, c1, strict=True)])
+            work.append(causal_work_by_lane(res.allocation, cp))
+            modes.append(res.mode)
+            if res.allocation.fallback_reason is not None:
+                fallbacks.add(res.allocation.fallback_reason)
+        report = client.check()
+        if not report["ok"]:
+            raise RuntimeError(f"pool accounting broken after the point: {report['problems']}")
+        device = info[0]["device"]
+    finally:
+        client.shutdown()
+    wall = np.asarray(walls)
+    lane_ms = (np.mean(lane_s, axis=0) * 1e3).tolist()
+    share = np.mean(work, axis=0)
+    share = (share / share.mean()).tolist() if share.mean() > 0 else share.tolist()
+    cpu_ms = (np.mean(cpu_s, axis=0) * 1e3).tolist() if cpu_s else []
+    p50 = float(np.percentile(wall, 50))
+    return {
+        "lanes": cp,
+        "context": context,
+        "split": split,
+        "requests": cfg.requests,
+        "page_size": cfg.page_size,
+        "prefill_ms_p50": p50 * 1e3,
+        "prefill_ms_min": float(wall.min()) * 1e3,
+        "tokens_per_s": context / p50,
+        "lane_ms": [round(x, 3) for x in lane_ms],
+        "imbalance": _max_over_mean(lane_ms),
+        "work_share": [round(x, 4) for x in share],
+        "work_imbalance": _max_over_mean(share),
+        "lane_cpu_ms": [round(x, 1) for x in cpu_ms],
+        "cpu_imbalance": _max_over_mean(cpu_ms) if cpu_ms else None,
+        "mode": max(set(modes), key=modes.count),
+        "fallback": ",".join(sorted(fallbacks)),
+        "device": device,
+        "model": cfg.model if cfg.model in MODEL_PRESETS else os.path.abspath(cfg.model),
+        "dtype": spec.config.dtype,
+    }
+
+
+def prefill_points(cfg: PrefillBenchConfig) -> list[tuple[int, int, str]]:
+    """``(lanes, context, split)`` of every point, in run order (cp 1 once, split ``none``)."""
+    contexts = cfg.contexts or [2 << 10, 4 << 10]
+    return [
+        (cp, ctx, split)
+        for ctx in contexts
+        for cp in cfg.lanes
+        for split in (("none",) if cp == 1 else cfg.splits)
+    ]
+
+
+def run_prefill_bench(cfg: PrefillBenchConfig) -> list[dict]:
+    """Run every prefill point; write ``bench_prefill.json``, ``bench_prefill.csv`` and
+    ``bench_prefill.png`` to ``out_dir``; the rows."""
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from cpkv.demo import start_quiet_ray
+
+    if cfg.contexts is None:
+        cfg.contexts = [2 << 10, 4 << 10]
+    spec = _model_spec(cfg)
+    points = prefill_points(cfg)
+    started = start_quiet_ray(cfg.address, max(cfg.lanes))
+    rows = []
+    try:
+        bar = tqdm(points, desc="bench --prefill", unit="point", disable=not cfg.progress)
+        with logging_redirect_tqdm():
+            for cp, ctx, split in bar:
+                bar.set_postfix_str(f"cp {cp}, {ctx} tokens, {split}")
+                rows.append(_prefill_point(cfg, spec, cp, ctx, split))
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+        spec.remove()
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    meta = {
+        "config": asdict(cfg),
+        "model_config": asdict(spec.config),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "notes": (
+            "lane_ms: each lane's step time (PrefillResult.lane_seconds), which includes "
+            "waiting in the lanes' collectives; work_share: causal attention work per lane "
+            "from the owner plan, relative to the mean; lane_cpu_ms: CPU time of each lane "
+            "process during the prefill (CPU lanes on this node only)"
+        ),
+    }
+    base = os.path.join(cfg.out_dir, "bench_prefill")
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    with open(base + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=PREFILL_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
+    if cfg.plot:
+        _plot_prefill(rows, base + ".png")
+    _print_prefill(rows)
+    return rows
+
+
+def _print_prefill(rows: list[dict]) -> None:
+    print(
+        f"{'lanes':>5} {'context':>7} {'split':>10} {'p50 ms':>9} {'tok/s':>8} "
+        f"{'imbalance':>9} {'work imb':>8} {'cpu imb':>7} {'mode':>7}  lane ms"
+    )
+    for r in rows:
+        cpu = "-" if r["cpu_imbalance"] is None else f"{r['cpu_imbalance']:.3f}"
+        print(
+            f"{r['lanes']:>5} {r['context']:>7} {r['split']:>10} {r['prefill_ms_p50']:>9.1f} "
+            f"{r['tokens_per_s']:>8.0f} {r['imbalance']:>9.3f} {r['work_imbalance']:>8.3f} "
+            f"{cpu:>7} {r['mode']:>7}  {', '.join(f'{x:.0f}' for x in r['lane_ms'])}"
+        )
+
+
+def _plot_prefill(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
+    contexts = sorted({r["context"] for r in rows})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, ctx in enumerate(contexts):
+        here = [r for r in rows if r["context"] == ctx]
+        color = colors[i % len(colors)]
+        splits = [sp for sp in ("zigzag", "contiguous") if any(r["split"] == sp for r in here)]
+        for split in splits or ["none"]:
+            pts = sorted(
+                (r["lanes"], r["prefill_ms_p50"]) for r in here if r["split"] in (split, "none")
+            )
+            ax1.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                "--" if split == "contiguous" else "-",
+                marker="s" if split == "contiguous" else "o",
+                markerfacecolor="none" if split == "contiguous" else color,
+                color=color,
+                label=f"{ctx / 1024:g}k tokens, {split}",
+            )
+    ax1.set(xlabel="cp_size (lanes)", ylabel="prefill ms (p50)", title="prefill time")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xticks(
+        sorted({r["lanes"] for r in rows}), [str(x) for x in sorted({r["lanes"] for r in rows})]
+    )
+    ax1.grid(True, alpha=0.3)
+    ax1.legend(fontsize=8)
+    top = max(r["lanes"] for r in rows)
+    ctx = max(contexts)
+    last = [r for r in rows if r["lanes"] == top and r["context"] == ctx]
+    width = 0.8 / max(1, len(last))
+    split_color = {"zigzag": colors[0], "contiguous": colors[1], "none": colors[2]}
+    for j, r in enumerate(last):
+        xs = np.arange(top) + (j - (len(last) - 1) / 2) * width
+        color = split_color.get(r["split"], colors[3])
+        ax2.bar(
+            xs,
+            r["lane_ms"],
+            width,
+            color=color,
+            alpha=0.8,
+            label=f"{r['split']}: step (max/mean {r['imbalance']:.2f})",
+        )
+        if r["lane_cpu_ms"]:
+            ax2.bar(
+                xs,
+                r["lane_cpu_ms"],
+                width,
+                fill=False,
+                hatch="//",
+                edgecolor="black",
+                label=f"{r['split']}: CPU time (max/mean {r['cpu_imbalance']:.2f})",
+            )
+        ax3.bar(
+            xs,
+            r["work_share"],
+            width,
+            color=color,
+            alpha=0.8,
+            label=f"{r['split']} (max/mean {r['work_imbalance']:.2f})",
+        )
+    for ax, ylabel, title in (
+        (ax2, "lane compute ms (mean)", f"per-lane step time, cp {top}, {ctx / 1024:g}k"),
+        (ax3, "causal work / mean", f"per-lane attention work (plan), cp {top}, {ctx / 1024:g}k"),
+    ):
+        ax.set(xlabel="lane", ylabel=ylabel, title=title)
+        ax.set_xticks(range(top))
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
+    ax3.axhline(1.0, color="gray", lw=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -52,20 +52,39 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--address", default=None, help="'auto' or ray://...; default: embedded Ray")
     d.add_argument("--num-gpus-per-lane", type=float, default=None)
     d.add_argument("--no-progress", action="store_true")
-    b = sub.add_parser("bench", help="allocation scaling over lanes and context lengths")
-    b.add_argument("--lanes", type=_ints, default=[1, 2, 4, 8])
+    b = sub.add_parser(
+        "bench",
+        help="allocation scaling over lanes and context lengths; --prefill: prefill time on "
+        "the lanes per cp_size, zigzag vs contiguous owner split",
+    )
+    b.add_argument(
+        "--prefill",
+        action="store_true",
+        help="time a model's prefill on the lanes (default: allocation only)",
+    )
+    b.add_argument("--lanes", type=_ints, default=None, help="default 1,2,4,8 (--prefill: 1,2,4)")
     b.add_argument(
         "--context",
         type=lambda s: [_tokens(x) for x in s.split(",")],
-        default=[32 << 10, 128 << 10],
+        default=None,
+        help="default 32k,128k (--prefill: 2k,4k; pass 32k on GPUs)",
     )
-    b.add_argument("--requests", type=int, default=8)
+    b.add_argument("--requests", type=int, default=None, help="default 8 (--prefill: 3)")
     b.add_argument("--page-size", type=int, default=64)
-    b.add_argument("--concurrency", type=int, default=2)
+    b.add_argument("--concurrency", type=int, default=2, help="allocation bench threads")
+    b.add_argument(
+        "--model",
+        default="small",
+        help="--prefill: a checkpoint DIR or random weights of a preset: small (default), "
+        "tiny, llama-3.2-1b",
+    )
+    b.add_argument("--dtype", default=None, help="--prefill: run the model in this dtype")
+    b.add_argument("--attention-mode", default="auto", help="--prefill: auto, pass_q or pass_kv")
     b.add_argument("--address", default=None)
     b.add_argument("--strategy", default="STRICT_PACK")
     b.add_argument("--num-gpus-per-lane", type=float, default=None)
     b.add_argument("--out", default="results")
+    b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--no-plot", action="store_true")
     return p
@@ -95,12 +114,33 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
         )
         return run_demo(cfg)
+    if args.prefill:
+        from cpkv.bench import PrefillBenchConfig, run_prefill_bench
+
+        pcfg = PrefillBenchConfig(
+            lanes=args.lanes or [1, 2, 4],
+            contexts=args.context,
+            requests=args.requests or 3,
+            page_size=args.page_size,
+            model=args.model,
+            dtype=args.dtype,
+            attention_mode=args.attention_mode,
+            address=args.address,
+            strategy=args.strategy,
+            num_gpus_per_lane=args.num_gpus_per_lane,
+            out_dir=args.out,
+            progress=not args.no_progress,
+            plot=not args.no_plot,
+            seed=args.seed,
+        )
+        run_prefill_bench(pcfg)
+        return 0
     from cpkv.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(
-        lanes=args.lanes,
-        contexts=args.context,
-        requests=args.requests,
+        lanes=args.lanes or [1, 2, 4, 8],
+        contexts=args.context or [32 << 10, 128 << 10],
+        requests=args.requests or 8,
         page_size=args.page_size,
         concurrency=args.concurrency,
         address=args.address,
@@ -109,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir=args.out,
         progress=not args.no_progress,
         plot=not args.no_plot,
+        seed=args.seed,
     )
     run_bench(cfg)
     return 0

@@ -36,7 +36,15 @@ from cpkv.errors import KVCapacityWaitError
 from cpkv.models.config import ModelConfig
 from cpkv.workload import shared_prefix_prompts
 
-__all__ = ["DemoConfig", "DemoResult", "demo_model_config", "run", "run_demo", "tolerance_for"]
+__all__ = [
+    "DemoConfig",
+    "DemoResult",
+    "demo_model_config",
+    "run",
+    "run_demo",
+    "start_quiet_ray",
+    "tolerance_for",
+]
 
 logger = logging.getLogger("cpkv.demo")
 
@@ -385,12 +393,16 @@ class _Serve:
                     t.failed.append(f"{rid}: gave up after {attempt + 1} attempts")
 
 
-def _start_ray(cfg: DemoConfig) -> bool:
-    """Start (or attach to) Ray quietly unless this process has it already; True when we did.
+def start_quiet_ray(address: str | None, num_lanes: int) -> bool:
+    """Start (or attach to) Ray quietly unless this process has it already; True when we did
+    (then the caller shuts it down).
 
-    NOTE: :func:`cpkv.connect` forwards worker logs to the driver (``log_to_driver=True``),
-    which tears lane log lines through the progress bar; a Ray initialised here first is what
-    connect then uses.
+    Quiet: worker output is not forwarded to this terminal and Ray logs errors only, so no
+    lane log line or Ray warning tears through a progress bar. ``address=None`` starts a local
+    Ray on 127.0.0.1 with room for ``num_lanes`` lanes (logical GPUs when there are none).
+
+    NOTE: :func:`cpkv.connect` starts Ray with worker logs forwarded (``log_to_driver=True``);
+    a Ray initialised here first is what connect then uses.
     """
     import ray
 
@@ -404,15 +416,15 @@ def _start_ray(cfg: DemoConfig) -> bool:
         "logging_level": logging.ERROR,
         "configure_logging": True,
     }
-    if cfg.address is not None:
-        ray.init(address=cfg.address, **quiet)
+    if address is not None:
+        ray.init(address=address, **quiet)
         return True
     keep_ray_on_loopback()
     ray.init(
         address="local",  # a Ray of our own, never one found via RAY_ADDRESS or /tmp/ray
         include_dashboard=False,
-        num_cpus=max(4, cfg.cp_size + 2),
-        num_gpus=local_gpu_count() or cfg.cp_size,  # logical GPUs without real ones
+        num_cpus=max(4, num_lanes + 2),
+        num_gpus=local_gpu_count() or num_lanes,  # logical GPUs without real ones
         **quiet,
     )
     return True
@@ -430,7 +442,7 @@ def run(cfg: DemoConfig, out: Callable[[str], object] = print) -> DemoResult:
         model_config = cfg.model_config or demo_model_config()
         model = model_config
     tol = cfg.tolerance if cfg.tolerance is not None else tolerance_for(model_config.dtype)
-    started = _start_ray(cfg)
+    started = start_quiet_ray(cfg.address, cfg.cp_size)
     try:
         pages = cfg.num_pages_per_lane or auto_pages_per_lane(cfg)
         longest = cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens
