@@ -163,18 +163,19 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
     """Run every point; write ``bench.json``, ``bench.csv`` and ``bench.png`` to ``out_dir``."""
     from tqdm import tqdm
 
-    from cpkv._ray_env import ensure_ray, local_gpu_count
+    from cpkv.demo import start_quiet_ray
 
-    most = max(cfg.lanes)
-    ensure_ray(
-        cfg.address,
-        num_cpus=None if cfg.address else most + 2,
-        num_gpus=None if cfg.address else (local_gpu_count() or most),
-    )
+    started = start_quiet_ray(cfg.address, max(cfg.lanes))
     points = [(cp, ctx) for cp in cfg.lanes for ctx in cfg.contexts]
     rows = []
-    for cp, ctx in tqdm(points, desc="bench", unit="point", disable=not cfg.progress):
-        rows.append(_point(cfg, cp, ctx))
+    try:
+        for cp, ctx in tqdm(points, desc="bench", unit="point", disable=not cfg.progress):
+            rows.append(_point(cfg, cp, ctx))
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
     os.makedirs(cfg.out_dir, exist_ok=True)
     meta = {
         "config": asdict(cfg),

@@ -1,0 +1,81 @@
+"""``cpkv bench --prefill``: a tiny run on the session's Ray writes its JSON, CSV and PNG."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+
+from cpkv.bench import PREFILL_FIELDS, PrefillBenchConfig, prefill_points
+from tests.conftest import GPUS_PER_LANE
+
+CONTEXT = 389  # odd: a partial last page; 25 pages of 16, enough for an owner plan at cp 2
+
+
+def test_points_run_cp1_once_and_both_splits_above():
+    cfg = PrefillBenchConfig(lanes=[1, 2, 4], contexts=[1024, 2048])
+    per_context = [(1, "none"), (2, "zigzag"), (2, "contiguous"), (4, "zigzag"), (4, "contiguous")]
+    assert prefill_points(cfg) == [
+        (cp, ctx, split) for ctx in (1024, 2048) for cp, split in per_context
+    ]
+
+
+@pytest.mark.ray
+def test_tiny_prefill_bench_writes_rows_csv_and_plot(ray_session, tmp_path, capsys):
+    from cpkv.cli import main
+
+    out = tmp_path / "bench"
+    argv = ["bench", "--prefill", "--lanes", "1,2", "--context", str(CONTEXT)]
+    argv += ["--requests", "2", "--page-size", "16", "--model", "tiny", "--no-progress"]
+    argv += ["--num-gpus-per-lane", str(GPUS_PER_LANE), "--out", str(out)]
+    assert main(argv) == 0
+    assert ray_session.is_initialized()  # the session's Ray is left running
+
+    data = json.loads((out / "bench_prefill.json").read_text())
+    rows = data["rows"]
+    assert [(r["lanes"], r["context"], r["split"]) for r in rows] == [
+        (1, CONTEXT, "none"),
+        (2, CONTEXT, "zigzag"),
+        (2, CONTEXT, "contiguous"),
+    ]
+    for r in rows:
+        assert r["requests"] == 2 and r["page_size"] == 16
+        assert r["prefill_ms_p50"] >= r["prefill_ms_min"] > 0
+        assert r["tokens_per_s"] > 0
+        assert len(r["lane_ms"]) == len(r["work_share"]) == r["lanes"]
+        assert all(x > 0 for x in r["lane_ms"])
+        for key in ("imbalance", "work_imbalance"):
+            assert math.isfinite(r[key]) and r[key] >= 1.0, (key, r)
+        assert r["mode"] in ("pass_q", "pass_kv")
+        assert r["model"] == "tiny" and r["dtype"] == "float32"
+    by_split = {r["split"]: r for r in rows}
+    # cp 1 has no plan; at cp 2 the plan splits 25 pages into 4 segments of 7, 6, 6, 6.
+    assert by_split["none"]["fallback"] == "cp_size_1"
+    assert by_split["zigzag"]["fallback"] == by_split["contiguous"]["fallback"] == ""
+    # The planned causal work: zigzag balances it (up to the odd segment and the partial
+    # last page: 1.055 here), contiguous gives the last lane the most (1.43 here).
+    assert by_split["zigzag"]["work_imbalance"] < 1.1
+    assert by_split["contiguous"]["work_imbalance"] > 1.3
+    assert np.argmax(by_split["contiguous"]["work_share"]) == 1
+    if by_split["zigzag"]["lane_cpu_ms"]:  # CPU lanes on this node
+        assert math.isfinite(by_split["zigzag"]["cpu_imbalance"])
+
+    with open(out / "bench_prefill.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == PREFILL_FIELDS
+        csv_rows = list(reader)
+    assert [(r["lanes"], r["split"]) for r in csv_rows] == [
+        ("1", "none"),
+        ("2", "zigzag"),
+        ("2", "contiguous"),
+    ]
+    assert json.loads(csv_rows[2]["lane_ms"]) == by_split["contiguous"]["lane_ms"]
+    assert all(math.isfinite(float(r["imbalance"])) for r in csv_rows)
+
+    png = (out / "bench_prefill.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    printed = capsys.readouterr().out
+    assert "zigzag" in printed and "contiguous" in printed
