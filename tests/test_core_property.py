@@ -2219,3 +2219,20 @@ def test_rotation_leaves_out_a_lane_that_is_down() -> None:
     assert a.stats()["free"] == [2, 2] and a.stats()["evictable"] == [0, 1]
     al = a.allocate_extend("x", [1, 2])
     assert (al.new_pages % 2).tolist() == [0, 0]
+
+
+@pytest.mark.xfail(strict=True, reason="cached_pages is a view of the prefix cache's node")
+def test_answers_share_no_memory_with_the_core() -> None:
+    """A caller that edits its answer (the plain Coordinator hands it over as is) must not
+    edit the core: today ``cached_pages`` is the cache node's own page array."""
+    a = CPAllocator(cp_size=1, page_size=1, num_pages_per_lane=8)
+    a.allocate_extend("a", [1, 2, 3])
+    a.free("a")
+    al = a.allocate_extend("b", [1, 2, 3])
+    pages = a.request_pages("b").tolist()
+    assert al.cached_pages.tolist() == [1, 2]
+    al.cached_pages[:] = 7
+    al.new_pages[:] = 6
+    assert a.match_prefix([1, 2]).tolist() == [1, 2]
+    assert a.request_pages("b").tolist() == pages
+    a.check_invariants()
