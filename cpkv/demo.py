@@ -39,7 +39,10 @@ from cpkv.workload import shared_prefix_prompts
 __all__ = [
     "DemoConfig",
     "DemoResult",
+    "Reference",
+    "auto_pages_per_lane",
     "demo_model_config",
+    "rel_err",
     "run",
     "run_demo",
     "start_quiet_ray",
