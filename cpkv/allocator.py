@@ -26,6 +26,7 @@ __all__ = ["CPAllocator", "ExtendAllocation", "slots_from_pages", "split_slots_b
 logger = logging.getLogger("cpkv.allocator")
 
 _EMPTY_I32 = np.empty(0, dtype=np.int32)
+_EMPTY_I32.flags.writeable = False
 _EMPTY_U64 = np.empty(0, dtype=np.uint64)
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
 
@@ -340,8 +341,9 @@ class CPAllocator:
         return rid in self._reqs
 
     def request_pages(self, rid: Hashable) -> np.ndarray:
-        """``int32`` global page ids of ``rid`` in sequence order (cached prefix included)."""
-        return self._get(rid).pages
+        """``int32`` global page ids of ``rid`` in sequence order (cached prefix included;
+        a read-only view)."""
+        return _readonly(self._get(rid).pages)
 
     def request_len(self, rid: Hashable) -> int:
         return self._get(rid).num_tokens
@@ -843,11 +845,11 @@ class CPAllocator:
             cp_size=self.cp_size,
             head_slot=head_slot,
             head_len=head_len,
-            new_pages=new_pages,
-            page_owners=None if plan is None else plan.page_owners,
+            new_pages=_readonly(new_pages),
+            page_owners=None if plan is None else _readonly(plan.page_owners),
             lane_token_ranges=None if plan is None else plan.lane_token_ranges,
             fallback_reason=step.reason,
-            cached_pages=match.pages if match is not None else _EMPTY_I32,
+            cached_pages=_readonly(match.pages) if match is not None else _EMPTY_I32,
         )
 
     def _chunk(
@@ -923,7 +925,10 @@ class CPAllocator:
         base, extra = divmod(num_pages, self.cp_size)
         counts = np.full(self.cp_size, base, dtype=np.int64)
         counts[:extra] += 1  # per position in `order`
-        cap = np.maximum(0, free + self._cache.num_evictable_pages_per_lane)[order]
+        evictable = self._cache.num_evictable_pages_per_lane
+        if self._down:
+            evictable[sorted(self._down)] = 0  # a lane that is down gives nothing
+        cap = np.maximum(0, free + evictable)[order]
         if (counts <= cap).all() or cap.sum() < num_pages:
             return np.resize(order, num_pages)
         # Water-fill: every lane gets min(cap, level) for the highest level that fits,
@@ -1033,6 +1038,13 @@ class CPAllocator:
                 reason,
                 num_tokens,
             )
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view: answers share memory with the core, callers must not write it."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def _check_salt(cache_salt: object) -> None:

@@ -260,6 +260,8 @@ class Coordinator:
                 return self._replies.get(call_id)
             lapsed = self._lapse_notice(client_id)
             if lapsed is not None:
+                if call_id is not None:
+                    self._replies.put(call_id, lapsed)
                 return lapsed
             self._health.fail_moves()
             try:
@@ -390,9 +392,10 @@ class Coordinator:
         """A client saw ``lane`` fail: confirm with a probe; return the rids lost with it."""
         if epoch != self.epoch:
             return self._restarted(epoch)
-        if not self._health.probe(lane, self._timeout_s):
-            with self._lock:
-                self._health.fail(lane, detail or "reported by a client")
+        # NOTE: probe() fails the lane itself when it finds it dead or restarted; failing
+        # it here again could lose a lane that recovered in between a second time.
+        logger.info("a client reports lane %d failing: %s", lane, detail)
+        self._health.probe(lane, self._timeout_s)
         with self._lock:
             return self._core.lost_rids(lane)
 
@@ -487,6 +490,8 @@ class Coordinator:
                 return self._replies.get(call_id)
             lapsed = self._lapse_notice(client_id)
             if lapsed is not None:
+                if call_id is not None:  # a retry of this call gets the same notice
+                    self._replies.put(call_id, lapsed)
                 return lapsed
             self._health.fail_moves()
             try:

@@ -24,7 +24,7 @@ def _cuda_devices() -> int:
 # With real GPUs the lanes pack on them (small fractions, CUDA shards); without,
 # 16 logical GPUs make GPU placement testable on CPU.
 CUDA_DEVICES = _cuda_devices()
-NUM_GPUS = CUDA_DEVICES or 16
+NUM_GPUS = CUDA_DEVICES or 64
 GPUS_PER_LANE = 0.5 if not CUDA_DEVICES else 0.05
 
 
@@ -63,9 +63,15 @@ DEFAULTS = dict(
 )
 
 
+# Pools kept alive at once: each lane is a process of a few hundred MB, and the session
+# runs pools of many shapes (cp 1-4, with and without a model) on 2 cores and 24 GiB.
+MAX_POOLS = 3
+
+
 @pytest.fixture(scope="session")
 def _client_pool(ray_session):
-    """Clients by configuration, kept for the session: starting lanes costs seconds."""
+    """Clients by configuration, kept for the session (starting lanes costs seconds); the
+    least recently used is shut down beyond :data:`MAX_POOLS`."""
     pool: dict = {}
     yield pool
     for client in pool.values():
@@ -90,13 +96,16 @@ def make_client(_client_pool):
             client = cpkv.connect(**opts)
             own.append(client)
             return client
-        key = tuple(sorted(opts.items()))
-        client = _client_pool.get(key)
+        key = tuple(sorted(opts.items(), key=lambda kv: kv[0]))
+        client = _client_pool.pop(key, None)
         if client is None:
+            while len(_client_pool) >= MAX_POOLS:
+                _client_pool.pop(next(iter(_client_pool))).shutdown()
             opts["name"] = f"coord-{uuid.uuid4().hex[:8]}"
-            client = _client_pool[key] = cpkv.connect(**opts)
+            client = cpkv.connect(**opts)
         else:
             client.reset()
+        _client_pool[key] = client  # most recently used last
         return client
 
     yield make

@@ -39,9 +39,8 @@ the heartbeat saw no mismatch, lane losses grow only on the steps that lose a la
 lose exactly the requests with a page there), and the lease table holds what the model
 says. No request gets a cached prefix beyond what requests with its own salt cached.
 
-The plain tests at the end are regressions and worked examples. Those marked
-``xfail(strict=True)`` are minimal examples of bugs these machines found; the machines
-step around them (the NOTEs say where), and the marks go once the bugs are fixed.
+The plain tests at the end are regressions and worked examples, among them the
+minimal examples of four bugs these machines found (now fixed).
 """
 
 from __future__ import annotations
@@ -1908,13 +1907,6 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self._lose_lane(lane)
         if reported is not None:
             assert reported == [r for r, x in self.lost.items() if x == lane], reported
-            # NOTE: report_lane_failure fails the lane again after probe() failed it; when
-            # the recovery won the race that is a second, empty loss (see
-            # test_report_of_a_restarted_lane_loses_it_once).
-            extra = self.coord.stats()["lane_losses"][len(self.losses) :]
-            if extra == [[lane, 0]]:
-                event("report lost the lane twice")
-                self.losses += extra
         state = self.coord.lane_states()[lane]
         if state == "dead":  # the recovery gave up before the restart (a slow machine)
             assert how == "kill_restart"
@@ -1985,9 +1977,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def retry(self) -> None:
         """A call sent again with its call id gets the first answer and changes nothing."""
         c = self.last_call
-        # NOTE: a lapse notice is not remembered for its call id: the retry runs the call
-        # (see test_retried_call_gets_its_lapse_notice_again).
-        if c is None or isinstance(c.answer, LeaseExpiredError):
+        if c is None:
             return
         again = getattr(self.coord, c.method)(self.epoch, c.client, c.call_id, *c.args)
         assert again is c.answer
@@ -2151,16 +2141,13 @@ def test_salted_requests_share_pages_only_with_their_salt() -> None:
     assert a.match_prefix(prompt[:4]).shape == (0,)
 
 
-# ------------------------------------------------ known bugs (strict xfail)
-@pytest.mark.xfail(strict=True, reason="report_lane_failure fails the lane a second time")
+# ------------------------------------------ regressions for bugs the machines found
 def test_report_of_a_restarted_lane_loses_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A client reports a lane whose actor restarted: one loss, one recovery.
 
-    ``LaneHealth.probe`` already fails the lane it finds restarted and returns False;
-    ``Coordinator.report_lane_failure`` then calls ``fail`` again. When the recovery
-    thread has brought the lane back in between (here made certain; the coordinator
-    machine sees it now and then), the lane is lost a second time, with whatever was
-    allocated on it meanwhile.
+    ``LaneHealth.probe`` fails the lane it finds restarted; ``report_lane_failure`` used
+    to call ``fail`` again, which lost the lane a second time (with whatever was allocated
+    on it meanwhile) when the recovery had brought it back in between (made certain here).
     """
     from cpkv.lane_health import LaneHealth
 
@@ -2185,10 +2172,9 @@ def test_report_of_a_restarted_lane_loses_it_once(monkeypatch: pytest.MonkeyPatc
         coord.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="a lapse notice is not remembered for its call id")
 def test_retried_call_gets_its_lapse_notice_again() -> None:
     """A call answered with LeaseExpiredError and sent again (the answer was lost) must get
-    the same answer; today it runs, so the request's next chunk becomes a new request."""
+    the same answer (it used to run, turning the request's next chunk into a new request)."""
     now = [0.0]
     transport = LocalLaneTransport(1, 8, 1, _KV)
     coord = Coordinator(CPConfig(1, 1, 8), _KV, transport, heartbeat_s=0, clock=lambda: now[0])
@@ -2205,12 +2191,10 @@ def test_retried_call_gets_its_lapse_notice_again() -> None:
         coord.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="the rotation counts a down lane's evictable pages")
 def test_rotation_leaves_out_a_lane_that_is_down() -> None:
     """Lane 1 is down but holds a cached page; lane 0 has two free pages for a two-page
-    fallback. The rotation counts lane 1's evictable page as room, proposes a page there,
-    and the step waits with ``lane_unavailable``. (The coordinator drops a lane before
-    taking it down, so it never gets here.)"""
+    fallback. The rotation must not count lane 1's evictable page as room (it used to,
+    and the step waited with ``lane_unavailable``)."""
     a = CPAllocator(cp_size=2, page_size=1, num_pages_per_lane=4, max_reqs=4)
     a.allocate_extend("b", [7])  # lane 0
     a.allocate_extend("c", [8])  # lane 1
@@ -2221,18 +2205,18 @@ def test_rotation_leaves_out_a_lane_that_is_down() -> None:
     assert (al.new_pages % 2).tolist() == [0, 0]
 
 
-@pytest.mark.xfail(strict=True, reason="cached_pages is a view of the prefix cache's node")
 def test_answers_share_no_memory_with_the_core() -> None:
-    """A caller that edits its answer (the plain Coordinator hands it over as is) must not
-    edit the core: today ``cached_pages`` is the cache node's own page array."""
+    """A caller that edits its answer (the plain Coordinator hands it over as is) cannot
+    edit the core: the page arrays in answers are read-only views."""
     a = CPAllocator(cp_size=1, page_size=1, num_pages_per_lane=8)
     a.allocate_extend("a", [1, 2, 3])
     a.free("a")
     al = a.allocate_extend("b", [1, 2, 3])
     pages = a.request_pages("b").tolist()
     assert al.cached_pages.tolist() == [1, 2]
-    al.cached_pages[:] = 7
-    al.new_pages[:] = 6
+    for arr in (al.cached_pages, al.new_pages, a.request_pages("b")):
+        with pytest.raises(ValueError, match="read-only"):
+            arr[:] = 7
     assert a.match_prefix([1, 2]).tolist() == [1, 2]
     assert a.request_pages("b").tolist() == pages
     a.check_invariants()
