@@ -323,14 +323,7 @@ class Coordinator:
                     return self._group_id
                 down = [r for r in range(self.config.cp_size) if not self._health.is_up(r)]
                 if down:
-                    zeros = [0] * self.config.cp_size
-                    return KVCapacityWaitError(
-                        f"lanes {down} are restarting; no step can run",
-                        required_by_owner=zeros,
-                        available_by_owner=zeros,
-                        deficit_by_owner=zeros,
-                        reason="lane_unavailable",
-                    )
+                    return self._lanes_unavailable(f"lanes {down} are restarting; no step can run")
             t = self._timeout_s
             try:
                 if self._backend is None:
@@ -342,13 +335,8 @@ class Coordinator:
                     self._backend = choose_backend([_device_id(i) for i in infos])
                 host, port = self._channel.call(0, "rendezvous_address", timeout=t)
             except Exception as e:  # a lane died meanwhile: the heartbeat will see it
-                zeros = [0] * self.config.cp_size
-                return KVCapacityWaitError(
-                    f"could not build the lane group ({type(e).__name__})",
-                    required_by_owner=zeros,
-                    available_by_owner=zeros,
-                    deficit_by_owner=zeros,
-                    reason="lane_unavailable",
+                return self._lanes_unavailable(
+                    f"could not build the lane group ({type(e).__name__})"
                 )
             with self._lock:
                 self._group_count += 1
@@ -357,6 +345,17 @@ class Coordinator:
                     self._channel.submit(r, "init_group", gid, host, port, self._backend, t)
                 self._group_id = gid
                 return gid
+
+    def _lanes_unavailable(self, message: str) -> KVCapacityWaitError:
+        """A step cannot run until every lane serves: back off and retry."""
+        zeros = [0] * self.config.cp_size
+        return KVCapacityWaitError(
+            message,
+            required_by_owner=zeros,
+            available_by_owner=zeros,
+            deficit_by_owner=zeros,
+            reason="lane_unavailable",
+        )
 
     def renew_lease(self, client_id: str) -> bool:
         """Push the client's lease out; False when it has none (lapsed, or a new coordinator)."""

@@ -3,24 +3,12 @@
 # the demo and a bench sweep, on a machine with torch+triton but no Ray.
 # Ray comes as wheels in .whl/ (tools/ray-wheels-py312.sh .whl). Outputs go to $OUT.
 set -uo pipefail
-OUT=${OUT:-results/gpu}
+. "$(dirname "$0")/_gpu_env.sh"
 mkdir -p "$OUT/bench"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-# The repacked wheel loses exec bits: give Ray's binaries theirs back.
-find /tmp/site/ray/core -type f \( -name gcs_server -o -name raylet -o -name '*.so' \) -exec chmod +x {} +
-find /tmp/site/bin -type f -exec chmod +x {} + 2>/dev/null
-export PATH=/tmp/site/bin:$PATH
-export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=1
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c 'import sys,torch,triton,ray,numpy;print(sys.version.split()[0],"torch",torch.__version__,"triton",triton.__version__,"ray",ray.__version__,"numpy",numpy.__version__)'
 } > "$OUT/env.txt" 2>&1
-step() {
-  local t=$1 name=$2 s=$SECONDS; shift 2
-  echo "== $*" > "$OUT/$name"
-  timeout "$t" "$@" >> "$OUT/$name" 2>&1
-  echo "rc=$? wall $((SECONDS - s))s" >> "$OUT/$name"
-}
 step 280 tests.txt python3 scripts/run_tests.py -q -p no:cacheprovider -W ignore ${TEST_ARGS:-}
 step 120 kernels.txt python3 benchmarks/bench_kernels.py
 step 60 actors.txt python3 benchmarks/bench_actors.py --iters 200

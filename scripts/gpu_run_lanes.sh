@@ -4,24 +4,11 @@
 # attention and lanes. One H200, torch+triton but no Ray: Ray comes as wheels in .whl/
 # (tools/ray-wheels-py312.sh .whl). Outputs go to $OUT.
 set -uo pipefail
-OUT=${OUT:-results/gpu}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-# The repacked wheel loses exec bits: give Ray's binaries theirs back.
-find /tmp/site/ray/core -type f \( -name gcs_server -o -name raylet -o -name '*.so' \) -exec chmod +x {} +
-find /tmp/site/bin -type f -exec chmod +x {} + 2>/dev/null
-export PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=1
+. "$(dirname "$0")/_gpu_env.sh"
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c 'import sys,torch,triton,ray,numpy,transformers;print(sys.version.split()[0],"torch",torch.__version__,"triton",triton.__version__,"ray",ray.__version__,"numpy",numpy.__version__,"transformers",transformers.__version__)'
 } > "$OUT/env.txt" 2>&1
-step() {
-  local t=$1 name=$2 s=$SECONDS; shift 2
-  echo "== $*" > "$OUT/$name"
-  timeout "$t" "$@" >> "$OUT/$name" 2>&1
-  echo "rc=$? wall $((SECONDS - s))s" >> "$OUT/$name"
-}
 step ${PREFILL_S:-260} prefill.txt python3 benchmarks/bench_prefill_gpu.py --json "$OUT/prefill.json"
 step ${ATTN_S:-120} attention.txt python3 benchmarks/bench_attention.py --json "$OUT/attention.json"
 step ${TESTS_S:-170} tests.txt python3 -m pytest -q -p no:cacheprovider -W ignore ${TEST_ARGS:-tests/test_attention_kernels.py tests/test_cp_attention.py tests/test_lane_attention.py tests/test_lane_model.py}

@@ -132,17 +132,18 @@ class LaneWorker:
     def _probe(
         self, shard: LaneShard, plan: StepPlan, attn: CPAttention, probe, rows: np.ndarray
     ) -> torch.Tensor:
-        q, k, v = probe
-        mine = torch.from_numpy(rows[plan.my_tokens]).long()
         dev, dtype = self.device, shard.k[0].dtype
-        scale = q.shape[-1] ** -0.5
+        # Copy once, then pick this lane's rows on the device (host indexing of a 32k-token
+        # probe costs more than the attention).
+        q, k, v = (t.to(dev, non_blocking=True) for t in probe)
+        mine = torch.from_numpy(rows[plan.my_tokens]).to(dev)
         o = attn.forward(
             shard.k[0],
             shard.v[0],
-            q[mine].to(dev),
-            k[mine].to(dev, dtype),
-            v[mine].to(dev, dtype),
-            scale,
+            q[mine],
+            k[mine].to(dtype),
+            v[mine].to(dtype),
+            q.shape[-1] ** -0.5,
         )
         return o.cpu()
 
@@ -162,9 +163,7 @@ class LaneWorker:
             q, k, v = model.attention_inputs(layer, hidden, positions)
             o = attn.forward(shard.k[layer], shard.v[layer], q, k, v, model.sm_scale)
             hidden = model.finish_layer(layer, hidden, o)
-        last = [
-            b for b in range(plan.num_requests) if int(plan.last_token_owner[b]) == self.lane
-        ]
+        last = [b for b in range(plan.num_requests) if int(plan.last_token_owner[b]) == self.lane]
         if not last:
             return {}
         rows = torch.as_tensor([int(plan.last_token_index[b]) for b in last], device=dev)
