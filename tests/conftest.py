@@ -59,7 +59,8 @@ DEFAULTS = dict(
     dtype="float32",
     num_gpus_per_lane=GPUS_PER_LANE,
     heartbeat_s=0.2,
-    timeout_s=30.0,
+    # First calls on a GPU compile the Triton kernels (tens of seconds each).
+    timeout_s=30.0 if not CUDA_DEVICES else 300.0,
 )
 
 
