@@ -42,9 +42,17 @@ def main() -> None:
 
     cp, ctx, ps = args.cp_size, args.context, args.page_size
     per_lane = -(-ctx // ps // cp) * 2 + 8
-    client = cpkv.connect(args.address, cp_size=cp, page_size=ps, num_pages_per_lane=per_lane,
-                          max_context_len=ctx, num_heads=1, head_dim=8, dtype="float32",
-                          name=f"bench-actors-{time.time_ns()}")
+    client = cpkv.connect(
+        args.address,
+        cp_size=cp,
+        page_size=ps,
+        num_pages_per_lane=per_lane,
+        max_context_len=ctx,
+        num_heads=1,
+        head_dim=8,
+        dtype="float32",
+        name=f"bench-actors-{time.time_ns()}",
+    )
     try:
         prompt = np.random.default_rng(0).integers(0, 150_000, size=ctx, dtype=np.int64)
         coord = client._coord
@@ -76,10 +84,14 @@ def main() -> None:
         client.shutdown()
 
     allocs = after["extend_allocations"] - before["extend_allocations"]
-    lane_calls = (after["lane_calls_by_op"].get("extend", 0)
-                  - before["lane_calls_by_op"].get("extend", 0))
+    lane_calls = after["lane_calls_by_op"].get("extend", 0) - before["lane_calls_by_op"].get(
+        "extend", 0
+    )
     res = {
-        "cp_size": cp, "context": ctx, "page_size": ps, "iters": args.iters,
+        "cp_size": cp,
+        "context": ctx,
+        "page_size": ps,
+        "iters": args.iters,
         "alloc_median_ms": statistics.median(alloc_times) * 1e3,
         "lane_round_median_ms": statistics.median(lane_round) * 1e3,
         "coordinator_round_median_ms": statistics.median(coord_round) * 1e3,
@@ -88,11 +100,13 @@ def main() -> None:
     res["alloc_over_lane_round"] = res["alloc_median_ms"] / res["lane_round_median_ms"]
     print(f"allocate_extend {ctx} tokens at cp {cp}: median {res['alloc_median_ms']:.2f} ms")
     print(f"bare parallel no-op round to {cp} lanes: median {res['lane_round_median_ms']:.2f} ms")
-    print(f"no-op call to the coordinator:        median "
-          f"{res['coordinator_round_median_ms']:.2f} ms")
+    print(
+        f"no-op call to the coordinator:        median {res['coordinator_round_median_ms']:.2f} ms"
+    )
     print(f"ratio allocate / lane round: {res['alloc_over_lane_round']:.2f} (target <= 1.5)")
-    print(f"actor calls per allocation: {res['actor_calls_per_allocation']:.2f} "
-          f"(target <= {cp + 1})")
+    print(
+        f"actor calls per allocation: {res['actor_calls_per_allocation']:.2f} (target <= {cp + 1})"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -112,3 +112,12 @@ def make_client(_client_pool):
     yield make
     for client in own:
         client.shutdown()
+
+
+@pytest.fixture
+def quiet_ray(ray_session, _client_pool):
+    """The session's Ray with no pooled clients left running (their heartbeats and lanes
+    would share the 2 cores with a timing-sensitive run such as the demo)."""
+    while _client_pool:
+        _client_pool.pop(next(iter(_client_pool))).shutdown()
+    yield ray_session

@@ -348,5 +348,3 @@ def test_metadata_is_small():
     a.allocate_extend("r", np.arange(4 * 255 * 16 - 16))
     per_page = a.metadata_nbytes() / (4 * 256)
     assert per_page <= 16, per_page
-
-

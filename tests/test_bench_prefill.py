@@ -24,7 +24,7 @@ def test_points_run_cp1_once_and_both_splits_above():
 
 
 @pytest.mark.ray
-def test_tiny_prefill_bench_writes_rows_csv_and_plot(ray_session, tmp_path, capsys):
+def test_tiny_prefill_bench_writes_rows_csv_and_plot(quiet_ray, tmp_path, capsys):
     from cpkv.cli import main
 
     out = tmp_path / "bench"
@@ -32,7 +32,7 @@ def test_tiny_prefill_bench_writes_rows_csv_and_plot(ray_session, tmp_path, caps
     argv += ["--requests", "2", "--page-size", "16", "--model", "tiny", "--no-progress"]
     argv += ["--num-gpus-per-lane", str(GPUS_PER_LANE), "--out", str(out)]
     assert main(argv) == 0
-    assert ray_session.is_initialized()  # the session's Ray is left running
+    assert quiet_ray.is_initialized()  # the session's Ray is left running
 
     data = json.loads((out / "bench_prefill.json").read_text())
     rows = data["rows"]

@@ -22,19 +22,26 @@ pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_under_pressure_checks_every_request(ray_session):
+def test_demo_under_pressure_checks_every_request(quiet_ray):
     lines: list[str] = []
+    # NOTE: a longer step deadline than the CLI's: on 2 shared cores a step can take most
+    # of 0.5 s, and requeued requests then multiply the work (pressure still happens).
     cfg = DemoConfig(
-        num_prompts=10, workers=4, progress=False, num_gpus_per_lane=GPUS_PER_LANE, seed=3
+        num_prompts=8,
+        workers=3,
+        deadline_s=2.0,
+        progress=False,
+        num_gpus_per_lane=GPUS_PER_LANE,
+        seed=3,
     )
     res = run(cfg, out=lines.append)
     text = "\n".join(lines)
     assert res.exit_code == 0, text
-    assert ray_session.is_initialized()  # the session's Ray is left running
+    assert quiet_ray.is_initialized()  # the session's Ray is left running
     # Every request served, its last chunk and each decode step checked.
-    assert res.served == res.num_prompts == 10
-    assert res.requests_checked == 10
-    assert res.checks >= 10 * (1 + cfg.decode_tokens)
+    assert res.served == res.num_prompts == 8
+    assert res.requests_checked == 8
+    assert res.checks >= 8 * (1 + cfg.decode_tokens)
     assert res.mismatches == 0 and res.max_rel_err < res.tolerance == 1e-3
     # Pressure and prefix reuse really happened.
     assert res.stats["pages_evicted"] > 0, text
@@ -50,7 +57,7 @@ def test_demo_under_pressure_checks_every_request(ray_session):
         assert word in text
 
 
-def test_demo_fails_against_a_wrong_reference(ray_session):
+def test_demo_fails_against_a_wrong_reference(quiet_ray):
     lines: list[str] = []
     cfg = DemoConfig(
         cp_size=2,

@@ -58,9 +58,7 @@ class LaneActor:
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self._lane, self._page_size, self._kv = lane, page_size, kv
         self._device = torch.device(device)
-        self._shard = (
-            LaneShard(lane, num_pages, page_size, kv, self._device) if num_pages else None
-        )
+        self._shard = LaneShard(lane, num_pages, page_size, kv, self._device) if num_pages else None
         loaded = model.load(self._device) if model is not None else None
         self._worker = LaneWorker(lane, cp_size, self._device, loaded)
 
