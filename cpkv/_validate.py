@@ -29,6 +29,14 @@ def check_rid(rid: object) -> str | int:
     raise InvalidRequestError(f"rid={rid!r} must be a str or an int, got {type(rid).__name__}")
 
 
+def check_salt(cache_salt: object) -> None:
+    """Raise unless ``cache_salt`` is a ``str``, ``bytes`` or ``None``."""
+    if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+        raise InvalidRequestError(
+            f"cache_salt={cache_salt!r} must be str, bytes or None, not {type(cache_salt).__name__}"
+        )
+
+
 def as_token_array(token_ids: object, *, name: str = "token_ids") -> np.ndarray:
     """Return ``token_ids`` as a 1-D int64 array of non-negative ids, or raise.
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cpkv._validate import as_token_array, check_int, check_rid
+from cpkv._validate import as_token_array, check_int, check_rid, check_salt
 from cpkv.config import CPConfig
 from cpkv.errors import InvalidRequestError, KVCapacityWaitError, LaneUnavailableError
 from cpkv.owners import OwnerPlan, build_owner_plan, in_seq_page_compute_owner_unavailable_reason
@@ -378,7 +378,7 @@ class CPAllocator:
     def match_prefix(self, token_ids, cache_salt: str | bytes | None = None) -> np.ndarray:
         """``int32`` pages of the cached page-aligned prefix of ``token_ids`` (not locked)."""
         tokens = as_token_array(token_ids)
-        _check_salt(cache_salt)
+        check_salt(cache_salt)
         hashes, _ = self._hasher.hash_pages(tokens, self._hasher.start(cache_salt))
         return self._cache.match_prefix(hashes).pages
 
@@ -409,7 +409,7 @@ class CPAllocator:
             LaneUnavailableError: ``rid`` was lost with a lane.
         """
         rid = check_rid(rid)
-        _check_salt(cache_salt)
+        check_salt(cache_salt)
         self._check_not_lost(rid)
         req = self._reqs.get(rid)
         chunk = self._chunk(rid, req, as_token_array(token_ids), cache_salt)
@@ -465,7 +465,7 @@ class CPAllocator:
         items = list(items)
         if not items:
             raise InvalidRequestError("allocate_extend_batch got an empty batch")
-        _check_salt(cache_salt)
+        check_salt(cache_salt)
         if len(items) == 1:
             return [self.allocate_extend(*items[0], cache_salt=cache_salt)]
         rids = [check_rid(rid) for rid, _ in items]
@@ -475,10 +475,8 @@ class CPAllocator:
             as_token_array(t, name=f"token_ids[{rid!r}]")
             for rid, (_, t) in zip(rids, items, strict=True)
         ]
-        for rid, tok in zip(rids, tokens, strict=True):
+        for rid in rids:  # lengths are checked where each step is planned
             self._check_not_lost(rid)
-            req = self._reqs.get(rid)
-            self._check_len(rid, 0 if req is None else req.num_tokens, tok.shape[0])
         # Match (and lock) every new request's prefix before deciding anything.
         chunks = [
             self._chunk(rid, self._reqs.get(rid), tok, cache_salt)
@@ -1046,9 +1044,3 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     v.flags.writeable = False
     return v
 
-
-def _check_salt(cache_salt: object) -> None:
-    if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
-        raise InvalidRequestError(
-            f"cache_salt={cache_salt!r} must be str, bytes or None, not {type(cache_salt).__name__}"
-        )

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpkv._ray_env import NAMESPACE, ensure_ray, local_gpu_count
-from cpkv._validate import as_token_array, check_int, check_rid
+from cpkv._validate import as_token_array, check_int, check_rid, check_salt
 from cpkv.allocator import ExtendAllocation, split_slots_by_lane
 from cpkv.config import CPConfig, KVShape
 from cpkv.errors import (
@@ -384,14 +384,6 @@ class CPKVClient:
             )
         return _compact(tokens)
 
-    @staticmethod
-    def _check_salt(cache_salt) -> None:
-        if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
-            raise InvalidRequestError(
-                f"cache_salt={cache_salt!r} must be str, bytes or None, "
-                f"not {type(cache_salt).__name__}"
-            )
-
     # ------------------------------------------------------------ allocation
     def allocate_extend(
         self, rid: Hashable, token_ids, *, cache_salt: str | bytes | None = None
@@ -411,27 +403,29 @@ class CPKVClient:
             InvalidRequestError, KVCapacityWaitError, LaneUnavailableError,
             LeaseExpiredError, CoordinatorUnavailableError, RequestTimeoutError.
         """
-        rid = check_rid(rid)
-        tokens = self._check_tokens(rid, token_ids)
-        self._check_salt(cache_salt)
-        ref = self._coord.allocate_extend.remote(
-            self._epoch, self.client_id, self._call_id(), rid, tokens, cache_salt
-        )
-        out = self._get(ref, "allocate_extend")
+        rid, tokens = self._extend_args(rid, token_ids, cache_salt)
+        out = self._get(self._extend_ref(rid, tokens, cache_salt), "allocate_extend")
         self._rids.add(rid)
         return out
+
+    def _extend_args(self, rid, token_ids, cache_salt) -> tuple[Hashable, np.ndarray]:
+        """Validate an extend's arguments on the caller's side (before any actor call)."""
+        rid = check_rid(rid)
+        tokens = self._check_tokens(rid, token_ids)
+        check_salt(cache_salt)
+        return rid, tokens
+
+    def _extend_ref(self, rid: Hashable, tokens: np.ndarray, cache_salt):
+        return self._coord.allocate_extend.remote(
+            self._epoch, self.client_id, self._call_id(), rid, tokens, cache_salt
+        )
 
     async def allocate_extend_async(
         self, rid: Hashable, token_ids, *, cache_salt: str | bytes | None = None
     ) -> ExtendAllocation:
         """Async twin of :meth:`allocate_extend`."""
-        rid = check_rid(rid)
-        tokens = self._check_tokens(rid, token_ids)
-        self._check_salt(cache_salt)
-        ref = self._coord.allocate_extend.remote(
-            self._epoch, self.client_id, self._call_id(), rid, tokens, cache_salt
-        )
-        out = await self._aget(ref, "allocate_extend")
+        rid, tokens = self._extend_args(rid, token_ids, cache_salt)
+        out = await self._aget(self._extend_ref(rid, tokens, cache_salt), "allocate_extend")
         self._rids.add(rid)
         return out
 
@@ -451,10 +445,15 @@ class CPKVClient:
         Raises:
             KVCapacityWaitError: the last one, once ``deadline_s`` has passed.
         """
-        rid = check_rid(rid)
-        tokens = self._check_tokens(rid, token_ids)
+        rid, tokens = self._extend_args(rid, token_ids, cache_salt)
+
+        def once() -> ExtendAllocation:  # checked once above, not on every retry
+            out = self._get(self._extend_ref(rid, tokens, cache_salt), "allocate_extend")
+            self._rids.add(rid)
+            return out
+
         return self._with_backoff(
-            lambda: self.allocate_extend(rid, tokens, cache_salt=cache_salt),
+            once,
             deadline_s=deadline_s,
             initial_backoff_s=initial_backoff_s,
             max_backoff_s=max_backoff_s,
@@ -487,7 +486,7 @@ class CPKVClient:
             checked.append((rid, self._check_tokens(rid, t)))
         if not checked:
             raise InvalidRequestError("allocate_extend_batch got an empty batch")
-        self._check_salt(cache_salt)
+        check_salt(cache_salt)
         ref = self._coord.allocate_extend_batch.remote(
             self._epoch, self.client_id, self._call_id(), checked, cache_salt
         )
@@ -584,9 +583,7 @@ class CPKVClient:
         Raises:
             As :meth:`allocate_extend`; InvalidRequestError when the pool has no model.
         """
-        rid = check_rid(rid)
-        tokens = self._check_tokens(rid, token_ids)
-        self._check_salt(cache_salt)
+        rid, tokens = self._extend_args(rid, token_ids, cache_salt)
         mode = self._mode(mode)
 
         def once():
@@ -615,7 +612,7 @@ class CPKVClient:
             checked.append((rid, self._check_tokens(rid, t)))
         if not checked:
             raise InvalidRequestError("prefill_batch got an empty batch")
-        self._check_salt(cache_salt)
+        check_salt(cache_salt)
         ref = self._coord.prefill_batch.remote(
             self._epoch,
             self.client_id,

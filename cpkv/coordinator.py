@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -87,7 +88,6 @@ class Coordinator:
             num_pages=config.num_pages_per_lane,
         )
         self._leases = LeaseTable()
-        self._on_pool_change: list[Callable[[], None]] = []
         self._transport = transport
         # The lanes' collective group: built before the first step, rebuilt after a lane
         # is lost or comes back (None: stale). Steps are numbered in submission order.
@@ -248,6 +248,8 @@ class Coordinator:
         )
 
     def _step_call(self, epoch, client_id, call_id, op, run, mode, probe, decode=None) -> Any:
+        """:meth:`_call` whose decision is followed by a step on every lane; the answer holds
+        each lane's handle to its step result."""
         if epoch != self.epoch:
             return self._restarted(epoch)
         if mode not in MODES:
@@ -255,35 +257,29 @@ class Coordinator:
         group = self._ensure_group()
         if isinstance(group, CPKVError):
             return group
-        with self._lock:
-            if call_id is not None and call_id in self._replies:
-                return self._replies.get(call_id)
-            lapsed = self._lapse_notice(client_id)
-            if lapsed is not None:
-                if call_id is not None:
-                    self._replies.put(call_id, lapsed)
-                return lapsed
-            self._health.fail_moves()
-            try:
-                made, given = run()
-            except CPKVError as e:
-                self._dispatch(op)
-                if call_id is not None:
-                    self._replies.put(call_id, e)
-                return e
-            self._dispatch(op)
+
+        def decide_and_submit() -> dict:
+            made, given = run()
+            self._dispatch(op)  # NOTE: the page moves are queued before the step
             if decode is None:
                 seqs, answer = self._extend_sequences(made, given), {"allocations": made}
             else:
                 seqs, answer = self._decode_sequences(*decode), {"slots": made}
             self._step_count += 1
-            step = StepInput(self._step_count, group, tuple(seqs), mode, probe)
-            shared = self._share(step)
-            futures = [self._channel.submit(r, "step", shared) for r in range(self.config.cp_size)]
-        answer["lanes"] = [f.result(timeout=self._timeout_s) for f in futures]
-        if call_id is not None:
-            with self._lock:
-                self._replies.put(call_id, answer)
+            shared = self._share(StepInput(self._step_count, group, tuple(seqs), mode, probe))
+            answer["lanes"] = [
+                self._channel.submit(r, "step", shared) for r in range(self.config.cp_size)
+            ]
+            return answer
+
+        answer = self._call(epoch, client_id, call_id, op, decide_and_submit)
+        if isinstance(answer, dict):
+            # The sender submits the steps after the lock is released; the remembered answer
+            # (the same dict) then holds the handles for a retried call too.
+            answer["lanes"] = [
+                f.result(timeout=self._timeout_s) if isinstance(f, Future) else f
+                for f in answer["lanes"]
+            ]
         return answer
 
     def _extend_sequences(self, allocs: list[ExtendAllocation], given: list) -> list[StepSequence]:
@@ -454,7 +450,8 @@ class Coordinator:
 
     def heartbeat_once(self) -> None:
         """One heartbeat round (the background loop calls this every ``heartbeat_s``)."""
-        self._health.heartbeat(self._held_per_lane_locked, max(5.0, self._timeout_s))
+        # NOTE: LaneHealth calls _held_per_lane with the lock held.
+        self._health.heartbeat(self._held_per_lane, max(5.0, self._timeout_s))
 
     def wait_recovered(self, timeout: float) -> bool:
         """Wait for lane recoveries in flight (tests)."""
@@ -463,10 +460,6 @@ class Coordinator:
     def lane_states(self) -> list[str]:
         with self._lock:
             return list(self._health.states)
-
-    def on_pool_change(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (under the lock) whenever a lane comes back after a reset."""
-        self._on_pool_change.append(callback)
 
     # ------------------------------------------------------------- internals
     def _restarted(self, epoch: str) -> CoordinatorUnavailableError:
@@ -530,10 +523,6 @@ class Coordinator:
         free = self._core.num_free_pages_per_lane()
         return (self.config.num_pages_per_lane - 1 - free).tolist()
 
-    def _held_per_lane_locked(self) -> list[int]:
-        # NOTE: LaneHealth calls this with the lock held.
-        return self._held_per_lane()
-
     def _on_lane_lost(self, lane: int, why: str) -> list[Hashable]:
         del why
         self._group_id = None
@@ -546,8 +535,6 @@ class Coordinator:
     def _on_lane_back(self, lane: int) -> None:
         self._core.set_lane_available(lane, True)
         self._group_id = None  # the restarted lane joins a new group
-        for callback in self._on_pool_change:
-            callback()
 
     def _heartbeat_loop(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
