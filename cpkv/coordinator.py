@@ -119,6 +119,7 @@ class Coordinator:
             self._leases.forget_requests()
             self._health.losses.clear()
             self._health.mismatches = 0
+            self._channel.reset_counters()
             for lane in range(self.config.cp_size):
                 self._core.set_lane_available(lane, False)
         self._health.reset_all()

@@ -71,6 +71,11 @@ class LaneChannel:
         self._sender = threading.Thread(target=self._send_loop, daemon=True, name="cpkv-sender")
         self._sender.start()
 
+    def reset_counters(self) -> None:
+        """Zero the call counts (the pool was reset)."""
+        self.num_calls = 0
+        self.num_moves_by_op.clear()
+
     # ------------------------------------------------------------- submitting
     def new_generation(self, lane: int) -> str:
         """Start a new generation of ``lane`` (it is being reset): moves count from 1 again,
