@@ -47,10 +47,9 @@ import torch
 from cpkv import kernels
 from cpkv.lanes.comm import LaneGroup
 from cpkv.lanes.step import PageTable, QExchange, StepPlan
+from cpkv.steps import MODES  # one list of modes for the client, coordinator and lanes
 
 __all__ = ["MODES", "CPAttention", "exchange_costs"]
-
-MODES = ("pass_q", "pass_kv", "auto")
 
 
 def _exchange_cost(
