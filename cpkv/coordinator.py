@@ -432,17 +432,12 @@ class Coordinator:
             for lane in range(self.config.cp_size):
                 if not self._health.is_up(lane):
                     problems.append(f"lane {lane}: {self._health.states[lane]}")
-            sent = {
-                r: (self._health.incarnations[r], self._channel.submit(r, "heartbeat"))
-                for r in range(self.config.cp_size)
-                if self._health.is_up(r)
-            }
-        for r, (known, future) in sent.items():
-            try:
-                incarnation, held = self._channel.result(future, self._timeout_s)
-            except Exception as e:  # a dead lane is a finding here, not a crash
-                problems.append(f"lane {r}: {type(e).__name__}")
+            sent = self._health.send_heartbeats()
+        for r, known, _gen, reply in self._health.replies(sent, self._timeout_s):
+            if isinstance(reply, BaseException):  # a dead lane is a finding here, not a crash
+                problems.append(f"lane {r}: {type(reply).__name__}")
                 continue
+            incarnation, held = reply
             if incarnation != known:
                 problems.append(f"lane {r}: restarted and not yet recovered")
             elif held != expected[r]:

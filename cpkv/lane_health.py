@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 from cpkv.lane_channel import LaneChannel, LaneDeadError
 
@@ -146,6 +147,35 @@ class LaneHealth:
             self._on_back(lane)
 
     # --------------------------------------------------------------- heartbeat
+    def send_heartbeats(self) -> dict[int, tuple[str | None, str | None, Any]]:
+        """Queue a heartbeat to every serving lane, behind its page moves.
+
+        NOTE: the caller holds the lock, so the replies compare with the mirror as it is now.
+
+        Returns:
+            per lane ``(incarnation known, generation, future of the reply)``.
+        """
+        return {
+            r: (
+                self.incarnations[r],
+                self._channel.generations[r],
+                self._channel.submit(r, "heartbeat"),
+            )
+            for r in self.lanes_in(UP)
+        }
+
+    def replies(
+        self, sent: dict[int, tuple[str | None, str | None, Any]], timeout: float
+    ) -> Iterator[tuple[int, str | None, str | None, Any]]:
+        """``(lane, known, generation, reply)`` for each heartbeat sent, the reply being
+        ``(incarnation, held)`` or the error that came instead; waits without the lock."""
+        for r, (known, gen, future) in sent.items():
+            try:
+                reply = self._channel.result(future, timeout)
+            except Exception as e:
+                reply = e
+            yield r, known, gen, reply
+
     def heartbeat(self, expected_held: Callable[[], list[int]], timeout: float) -> None:
         """One heartbeat round: find lanes that died, restarted or disagree with the mirror.
 
@@ -155,22 +185,17 @@ class LaneHealth:
         with self._lock:
             self.fail_moves()
             expected = expected_held()
-            sent = {
-                r: (
-                    self.incarnations[r],
-                    self._channel.generations[r],
-                    self._channel.submit(r, "heartbeat"),
-                )
-                for r in self.lanes_in(UP)
-            }
-        for r, (known, gen, future) in sent.items():
-            try:
-                incarnation, held = self._channel.result(future, timeout)
-            except LaneDeadError:
-                incarnation, held = None, None
-            except TimeoutError:
+            sent = self.send_heartbeats()
+        for r, known, gen, reply in self.replies(sent, timeout):
+            if isinstance(reply, TimeoutError):
                 self.slow_heartbeats += 1
                 continue
+            if isinstance(reply, LaneDeadError):
+                incarnation, held = None, None
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                incarnation, held = reply
             if incarnation != known:
                 with self._lock:
                     if self._channel.generations[r] == gen:
