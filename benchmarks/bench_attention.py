@@ -7,10 +7,14 @@ same run, with the ratios. Causal FLOPs are ``4 * T * T / 2 * Hq * D`` for every
 numbers compare directly. Then the zigzag case (cp=2: each lane holds 2 of 4 segments and
 computes all queries' partials over them; TFLOP/s on the FLOPs of the pairs it sees, and its
 time beside the one-lane time) and the merge kernel's GB/s beside a same-size device copy.
+At head dim 64 (Llama-3.2-1B) the split ablation: each lane's own queries over the whole
+sequence (a fresh pass-KV prefill) at cp 2 and 4, zigzag against a contiguous split, timed lane
+by lane; the slowest lane is the step's critical path.
 
 Times: triton.testing.do_bench medians (warmup first, L2 flushed before each call).
 
-Usage: python benchmarks/bench_attention.py [--json PATH] [--sweep] [--sweep-seconds S]
+Usage: python benchmarks/bench_attention.py [--json PATH] [--sweep [--sweep-d 64|128]]
+       [--sweep-seconds S] [--only-sweep]
 Without a CUDA device it prints "no CUDA device; skipping" and exits 0.
 """
 
@@ -261,6 +265,62 @@ def bench_zigzag(tab: Table, K, t: int, one_lane_ms: float) -> None:
     bench_merge(tab, K, outs, lses, case)
 
 
+def split_token_ranges(t: int, cp: int, split: str) -> list[list[tuple[int, int]]]:
+    """Each lane's query token ranges: ``zigzag`` (2 cp segments, lane r owns r and 2cp-1-r)
+    or ``contiguous`` (lane r owns the r-th of cp equal runs)."""
+    if split == "contiguous":
+        n = t // cp
+        return [[(r * n, (r + 1) * n)] for r in range(cp)]
+    n = t // (2 * cp)
+    return [[(r * n, (r + 1) * n), ((2 * cp - 1 - r) * n, (2 * cp - r) * n)] for r in range(cp)]
+
+
+def bench_split_ablation(tab: Table, K, t: int, head_dim: int, one_lane_ms: float) -> None:
+    """Why the zigzag plan exists, measured: each lane's attention of its own queries over the
+    whole sequence's K/V (what a lane computes in a fresh pass-KV prefill), timed alone on the
+    GPU one lane after another; a step waits for the slowest lane (the critical path)."""
+    g = torch.Generator(device=DEVICE).manual_seed(t + 2)
+    q = torch.randn(t, HQ, head_dim, device=DEVICE, generator=g).to(DTYPE)
+    k = torch.randn(t, HKV, head_dim, device=DEVICE, generator=g).to(DTYPE)
+    v = torch.randn(t, HKV, head_dim, device=DEVICE, generator=g).to(DTYPE)
+    full = make_lane(q, k, v, list(range(t // PAGE)), PAGE)
+    for cp in (2, 4):
+        slowest = {}
+        for split in ("zigzag", "contiguous"):
+            times = []
+            for ranges in split_token_ranges(t, cp, split):
+                rows = torch.cat([torch.arange(a, b, device=DEVICE) for a, b in ranges])
+                n = rows.shape[0]
+                lane = Lane(
+                    q[rows].contiguous(),
+                    rows,
+                    torch.tensor([0, n], device=DEVICE, dtype=torch.int32),
+                    full.k,
+                    full.v,
+                    full.page_table,
+                    full.page_pos,
+                    full.page_len,
+                    full.cu_pages,
+                    0,
+                    head_dim,
+                )
+                times.append(bench_ms(lambda lane=lane: lane.call(K), rep=50))
+            slowest[split] = max(times)
+            tab.add(
+                Row(
+                    f"split cp={cp} T={t >> 10}k D={head_dim}",
+                    f"{split}: slowest lane (lanes {', '.join(f'{x:.2f}' for x in times)})",
+                    max(times),
+                    note=f"{max(times) / (one_lane_ms / cp):.2f}x the ideal one-lane time / cp",
+                )
+            )
+        print(
+            f"split cp={cp} T={t >> 10}k D={head_dim}: contiguous / zigzag critical path = "
+            f"{slowest['contiguous'] / slowest['zigzag']:.2f}x",
+            flush=True,
+        )
+
+
 def bench_merge(tab: Table, K, outs: torch.Tensor, lses: torch.Tensor, case: str) -> None:
     """Merge GB/s (bytes read + written) beside a device copy moving the same bytes."""
     n_parts = outs.shape[0]
@@ -283,24 +343,39 @@ def bench_merge(tab: Table, K, outs: torch.Tensor, lses: torch.Tensor, case: str
     tab.add(Row(case, "  same-size copy (dst.copy_(src))", ms_copy, gbps=copy_gbps))
 
 
-def sweep_candidates(cfg_t) -> list[tuple[int, object]]:
+def sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, object]]:
     """(head dim, config) pairs to time, 16-bit D=128 first. Pruned by compiling for sm_90a
     offline (triton 3.9, ptxas -v): 128-key tiles at D=128 and 128 rows at 4 warps spill
     (104-844 B) and are left out; 64 rows x 128 keys at D=64 do not."""
     cands = []
-    for hp in (1, 4):
-        for st in (3, 2, 4):
-            cands.append((128, cfg_t(128, 64, hp, 8, st)))
-        cands.append((128, cfg_t(128, 32, hp, 8, 3)))
-        cands.append((128, cfg_t(64, 64, hp, 4, 3)))
-        cands.append((128, cfg_t(64, 32, hp, 4, 3)))
-    for hp in (1, 4):
-        for bm, bn, w in ((128, 64, 8), (128, 128, 8), (64, 64, 4), (64, 128, 4)):
-            cands.append((64, cfg_t(bm, bn, hp, w, 3)))
+    if d_only != 64:
+        for hp in (1, 4):
+            for st in (3, 2, 4):
+                cands.append((128, cfg_t(128, 64, hp, 8, st)))
+            cands.append((128, cfg_t(128, 32, hp, 8, 3)))
+            cands.append((128, cfg_t(64, 64, hp, 4, 3)))
+            cands.append((128, cfg_t(64, 32, hp, 4, 3)))
+    # D=64 (Llama-3.2-1B): 64x128 at 4 warps led (332 TFLOP/s) over 128x64 / 128x128 / 64x64
+    # at 3 stages; around it, the stages, 8 warps, 256-key tiles and GQA packing.
+    for bm, bn, hp, w, st in (
+        (64, 128, 1, 4, 3),
+        (64, 128, 1, 4, 2),
+        (64, 128, 1, 4, 4),
+        (64, 128, 1, 8, 3),
+        (64, 256, 1, 4, 2),
+        (64, 256, 1, 8, 2),
+        (64, 256, 1, 8, 3),
+        (128, 128, 1, 8, 2),
+        (128, 128, 4, 8, 2),
+        (128, 256, 1, 8, 2),
+        (32, 128, 1, 4, 3),
+        (64, 128, 2, 4, 3),
+    ):
+        cands.append((64, cfg_t(bm, bn, hp, w, st)))
     return cands
 
 
-def sweep(tab: Table, K, seconds: float) -> None:
+def sweep(tab: Table, K, seconds: float, d_only: int | None = None) -> None:
     """Time tiling candidates on the 32k causal case (the module's configs patched, then
     restored); starts no new candidate after ``seconds``."""
     mod = importlib.import_module("cpkv.kernels.paged_attention")
@@ -308,7 +383,7 @@ def sweep(tab: Table, K, seconds: float) -> None:
     start = time.time()
     print("sweep (causal T=32k, page 64, 32/8 heads, bf16):")
     try:
-        for d, cfg in sweep_candidates(mod.AttnConfig):
+        for d, cfg in sweep_candidates(mod.AttnConfig, d_only):
             if time.time() - start > seconds:
                 print(f"sweep: stopped after {seconds:.0f} s")
                 break
@@ -354,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time tiling candidates")
     parser.add_argument("--sweep-seconds", type=float, default=150.0)
     parser.add_argument("--only-sweep", action="store_true", help="time the candidates only")
+    parser.add_argument("--sweep-d", type=int, choices=(64, 128), help="sweep one head dim")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or triton is None:
         print("no CUDA device; skipping")
@@ -377,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             one = bench_causal(tab, K, t)
             if t == SIZES[0]:
                 bench_causal(tab, K, t, page=16, with_sdpa=False)
-                bench_causal(tab, K, t, head_dim=64, with_sdpa=False)
+                one_64 = bench_causal(tab, K, t, head_dim=64)
+                bench_split_ablation(tab, K, t, 64, one_64.ms)
             bench_zigzag(tab, K, t, one.ms)
         g = torch.Generator(device=DEVICE).manual_seed(9)
         t = 32 << 10
@@ -388,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in ratios(tab.rows):
             print(line)
     if args.sweep or args.only_sweep:
-        sweep(tab, K, args.sweep_seconds)
+        sweep(tab, K, args.sweep_seconds, args.sweep_d)
         best = sorted((r for r in tab.rows if r.impl.startswith("sweep")), key=lambda r: -r.tflops)
         for d in (128, 64):
             top = [r for r in best if f"D={d} " in r.impl][:3]

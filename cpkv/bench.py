@@ -250,6 +250,8 @@ PREFILL_FIELDS = [
     "tokens_per_s",
     "lane_ms",
     "imbalance",
+    "lane_busy_ms",
+    "busy_imbalance",
     "work_share",
     "work_imbalance",
     "lane_cpu_ms",
@@ -398,7 +400,7 @@ def _prefill_point(cfg: PrefillBenchConfig, spec, cp: int, context: int, split: 
         vocab = spec.config.vocab_size
         client.prefill("warm-up", rng.integers(0, vocab, size=context))
         client.free("warm-up", cache=False)
-        walls, lane_s, cpu_s, work, modes, fallbacks = [], [], [], [], [], set()
+        walls, lane_s, wait_s, cpu_s, work, modes, fallbacks = [], [], [], [], [], [], set()
         for i in range(cfg.requests):
             prompt = rng.integers(0, vocab, size=context)
             c0 = _lane_cpu_seconds(pids)
@@ -408,6 +410,7 @@ def _prefill_point(cfg: PrefillBenchConfig, spec, cp: int, context: int, split: 
             c1 = _lane_cpu_seconds(pids)
             client.free(f"p{i}", cache=False)
             lane_s.append(res.lane_seconds)
+            wait_s.append(res.lane_wait_seconds)
             if c0 is not None and c1 is not None:
                 cpu_s.append([b - a for a, b in zip(c0, c1, strict=True)])
             work.append(causal_work_by_lane(res.allocation, cp))
@@ -422,6 +425,7 @@ def _prefill_point(cfg: PrefillBenchConfig, spec, cp: int, context: int, split: 
         client.shutdown()
     wall = np.asarray(walls)
     lane_ms = (np.mean(lane_s, axis=0) * 1e3).tolist()
+    busy_ms = ((np.mean(lane_s, axis=0) - np.mean(wait_s, axis=0)) * 1e3).tolist()
     share = np.mean(work, axis=0)
     share = (share / share.mean()).tolist() if share.mean() > 0 else share.tolist()
     cpu_ms = (np.mean(cpu_s, axis=0) * 1e3).tolist() if cpu_s else []
@@ -437,6 +441,8 @@ def _prefill_point(cfg: PrefillBenchConfig, spec, cp: int, context: int, split: 
         "tokens_per_s": context / p50,
         "lane_ms": [round(x, 3) for x in lane_ms],
         "imbalance": _max_over_mean(lane_ms),
+        "lane_busy_ms": [round(x, 3) for x in busy_ms],
+        "busy_imbalance": _max_over_mean(busy_ms),
         "work_share": [round(x, 4) for x in share],
         "work_imbalance": _max_over_mean(share),
         "lane_cpu_ms": [round(x, 1) for x in cpu_ms],
@@ -496,8 +502,11 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> list[dict]:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "notes": (
             "lane_ms: each lane's step time (PrefillResult.lane_seconds), which includes "
-            "waiting in the lanes' collectives; work_share: causal attention work per lane "
-            "from the owner plan, relative to the mean; lane_cpu_ms: CPU time of each lane "
+            "waiting in the lanes' collectives; lane_busy_ms: that minus the time in the "
+            "collectives (PrefillResult.lane_wait_seconds), the lane's own work (lanes packed "
+            "on one GPU also wait for each other's kernels there); work_share: causal "
+            "attention work per lane from the owner plan, relative to the mean; lane_cpu_ms: "
+            "CPU time of each lane "
             "process during the prefill (CPU lanes on this node only)"
         ),
     }
@@ -518,14 +527,16 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> list[dict]:
 def _print_prefill(rows: list[dict]) -> None:
     print(
         f"{'lanes':>5} {'context':>7} {'split':>10} {'p50 ms':>9} {'tok/s':>8} "
-        f"{'imbalance':>9} {'work imb':>8} {'cpu imb':>7} {'mode':>7}  lane ms"
+        f"{'imbalance':>9} {'busy imb':>8} {'work imb':>8} {'cpu imb':>7} {'mode':>7}  "
+        "lane busy ms"
     )
     for r in rows:
         cpu = "-" if r["cpu_imbalance"] is None else f"{r['cpu_imbalance']:.3f}"
         print(
             f"{r['lanes']:>5} {r['context']:>7} {r['split']:>10} {r['prefill_ms_p50']:>9.1f} "
-            f"{r['tokens_per_s']:>8.0f} {r['imbalance']:>9.3f} {r['work_imbalance']:>8.3f} "
-            f"{cpu:>7} {r['mode']:>7}  {', '.join(f'{x:.0f}' for x in r['lane_ms'])}"
+            f"{r['tokens_per_s']:>8.0f} {r['imbalance']:>9.3f} {r['busy_imbalance']:>8.3f} "
+            f"{r['work_imbalance']:>8.3f} {cpu:>7} {r['mode']:>7}  "
+            f"{', '.join(f'{x:.0f}' for x in r['lane_busy_ms'])}"
         )
 
 
@@ -577,6 +588,14 @@ def _plot_prefill(rows: list[dict], path: str) -> None:
             color=color,
             alpha=0.8,
             label=f"{r['split']}: step (max/mean {r['imbalance']:.2f})",
+        )
+        ax2.bar(
+            xs,
+            r["lane_busy_ms"],
+            width,
+            fill=False,
+            edgecolor="black",
+            label=f"{r['split']}: own work (max/mean {r['busy_imbalance']:.2f})",
         )
         if r["lane_cpu_ms"]:
             ax2.bar(

@@ -19,7 +19,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -222,9 +222,11 @@ class PrefillResult:
     Attributes:
         logits: fp32 ``[vocab]`` of the last new token (``None`` for a probe step).
         allocation: the step's :class:`ExtendAllocation` (``prefix_len`` shows prefix reuse).
-        lane_seconds: each lane's compute time for the whole step.
+        lane_seconds: each lane's time for the whole step (its work plus its waits).
         mode: the attention exchange the step ran (``pass_q`` / ``pass_kv``).
         attention: probe steps only: fp32 ``[extend_len, Hq, D]`` attention outputs.
+        lane_wait_seconds: each lane's time inside the lanes' collectives (moving bytes and
+            waiting for slower lanes); ``lane_seconds - lane_wait_seconds`` is its own work.
     """
 
     logits: np.ndarray | None
@@ -232,6 +234,7 @@ class PrefillResult:
     lane_seconds: list[float]
     mode: str | None
     attention: np.ndarray | None = None
+    lane_wait_seconds: list[float] = field(default_factory=list)
 
 
 class _LeaseKeeper:
@@ -693,6 +696,7 @@ class CPKVClient:
         for res in results:
             logits.update(res["logits"])
         lane_s = [float(res["compute_s"]) for res in results]
+        wait_s = [float(res["wait_s"]) for res in results]
         mode = results[0]["mode"]
         probe = None
         if any("out" in res for res in results):
@@ -701,7 +705,7 @@ class CPKVClient:
         for b, alloc in enumerate(allocs):
             part = None if probe is None else probe[start : start + alloc.extend_len]
             start += alloc.extend_len
-            made.append(PrefillResult(logits.get(b), alloc, lane_s, mode, part))
+            made.append(PrefillResult(logits.get(b), alloc, lane_s, mode, part, wait_s))
         return made
 
     def _wait_step(self, handles: list, what: str) -> list[dict]:

@@ -47,7 +47,12 @@ def test_tiny_prefill_bench_writes_rows_csv_and_plot(quiet_ray, tmp_path, capsys
         assert r["tokens_per_s"] > 0
         assert len(r["lane_ms"]) == len(r["work_share"]) == r["lanes"]
         assert all(x > 0 for x in r["lane_ms"])
-        for key in ("imbalance", "work_imbalance"):
+        # Own work: the step minus the time in collectives (none at cp 1).
+        assert len(r["lane_busy_ms"]) == r["lanes"]
+        assert all(0 < b <= s for b, s in zip(r["lane_busy_ms"], r["lane_ms"], strict=True))
+        if r["lanes"] == 1:
+            assert r["lane_busy_ms"] == r["lane_ms"]
+        for key in ("imbalance", "busy_imbalance", "work_imbalance"):
             assert math.isfinite(r[key]) and r[key] >= 1.0, (key, r)
         assert r["mode"] in ("pass_q", "pass_kv")
         assert r["model"] == "tiny" and r["dtype"] == "float32"

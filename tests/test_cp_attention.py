@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,7 +216,9 @@ def run_case(group: LaneGroup, case: Case) -> dict:
     # NOTE: an exception here propagates: the other lanes would now wait in (or mismatch)
     # collectives, so the lane process must end and mp.spawn report its traceback.
     on = [t.to(DEVICE) for t in (k_shard, v_shard, q, k, v)]
+    group.take_wait_seconds()
     out = attn.forward(*on, SCALE)
+    wait_s = group.take_wait_seconds()
     k_shard, v_shard, out = on[0].cpu(), on[1].cpu(), out.cpu()
 
     refs = [reference(*s) for s in seqs]
@@ -240,6 +243,7 @@ def run_case(group: LaneGroup, case: Case) -> dict:
         "mode": attn.last_mode,
         "bytes": attn.exchange_bytes,
         "n": n,
+        "wait_s": wait_s,
     }
 
 
@@ -253,7 +257,20 @@ def summary(result: dict) -> dict:
         "last_mode": result["mode"],
         "bytes": result["bytes"],
         "n": result["n"],
+        "wait_s": result["wait_s"],
     }
+
+
+SLOW_S = 0.3  # how long lane 0 keeps the others waiting in the wait-clock probe
+
+
+def slow_lane_waits(group: LaneGroup) -> float:
+    """Lane 0 arrives ``SLOW_S`` late at a gather; the seconds this lane's clock counted."""
+    group.take_wait_seconds()
+    if group.rank == 0:
+        time.sleep(SLOW_S)
+    group.all_gather_rows(torch.ones(1, 4), [1] * group.world_size)
+    return group.take_wait_seconds()
 
 
 # Groups the same 4 spawned lanes form one after another: every world size, then a rebuild at
@@ -282,6 +299,7 @@ def lane_main(rank: int, ports: list[int], out_dir: str) -> None:
                 "generation": group.generation,
                 "backend": group.backend,
                 "link": group.measure(),
+                "slow_lane_wait_s": slow_lane_waits(group),
                 "results": [],
             }
             report["phases"].append(phase)
@@ -326,6 +344,9 @@ def check_phase(lanes: list[dict], world_size: int) -> None:
     assert len({lane["generation"] for lane in lanes}) == 1  # every lane joined the same group
     assert all(lane["backend"] == "gloo" and not lane["alive_after_destroy"] for lane in lanes)
     assert all(lane["link"] == lanes[0]["link"] for lane in lanes)  # agreed link numbers
+    # The wait clock counts the time spent waiting for a late lane, and only that.
+    waits = [lane["slow_lane_wait_s"] for lane in lanes]
+    assert waits[0] < SLOW_S / 2 and all(w >= SLOW_S * 0.9 for w in waits[1:]), waits
     by_id = [{res["id"]: res for res in lane["results"]} for lane in lanes]
     cases = {f"{c.name}/ps{c.page_size}/{c.mode}": c for c in build_cases(world_size)}
     for cid in by_id[0]:
@@ -343,6 +364,7 @@ def check_phase(lanes: list[dict], world_size: int) -> None:
             if all(p > 0 for p, _ in c.lens):
                 assert mode == "pass_q", cid
         assert any(lane[cid]["bytes"] > 0 for lane in by_id), cid
+        assert all(lane[cid]["wait_s"] > 0 for lane in by_id), cid  # every lane exchanged
 
 
 # --- tests ---
@@ -355,7 +377,7 @@ def test_world_size_1_in_process() -> None:
     results = [summary(run_case(group, c)) for c in build_cases(1)]
     failures = [f"{r['id']}: {e}" for r in results for e in r["errors"]]
     assert not failures, "\n".join(failures)
-    assert all(r["bytes"] == 0 for r in results)
+    assert all(r["bytes"] == 0 and r["wait_s"] == 0 for r in results)
     group.destroy()
     group.destroy()
 

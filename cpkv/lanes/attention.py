@@ -114,10 +114,11 @@ class _DeviceTable:
 @dataclass(slots=True)
 class _DeviceExchange:
     counts: list[int]
-    sorted_to_gathered: torch.Tensor
-    gathered_to_sorted: torch.Tensor
+    sorted_to_gathered: torch.Tensor | None  # None: the identity (no reordering copy)
+    gathered_to_sorted: torch.Tensor | None  # None: the identity
     positions: torch.Tensor
     cu_q: torch.Tensor
+    max_q_len: int  # the longest request's subset tokens (the kernel launches without a sync)
     my_rows: torch.Tensor | None  # None: all of this lane's tokens
     pages: _DeviceTable
 
@@ -127,6 +128,7 @@ class _DevicePlan:
     my_local_slots: torch.Tensor
     my_positions: torch.Tensor
     my_cu_q: torch.Tensor
+    my_max_q_len: int
     pass_q: _DeviceExchange
     history: _DeviceExchange | None
     new_pages: _DeviceTable
@@ -135,6 +137,19 @@ class _DevicePlan:
 
 def _t(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.array(a, copy=True)).to(device)  # plan arrays are read-only
+
+
+def _perm(a: np.ndarray, device: torch.device) -> torch.Tensor | None:
+    """A permutation on the device, or ``None`` for the identity (cp=1, one request)."""
+    return None if np.array_equal(a, np.arange(a.shape[0])) else _t(a, device)
+
+
+def _max_len(cu: np.ndarray) -> int:
+    return int(np.diff(cu).max()) if cu.shape[0] > 1 else 0
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return x if index is None else x.index_select(0, index)
 
 
 def _table(t: PageTable, device: torch.device) -> _DeviceTable:
@@ -151,10 +166,11 @@ def _exchange(x: QExchange, n_mine: int, device: torch.device) -> _DeviceExchang
     all_mine = x.my_rows.shape[0] == n_mine
     return _DeviceExchange(
         counts=[int(c) for c in x.counts],
-        sorted_to_gathered=_t(x.sorted_to_gathered, device),
-        gathered_to_sorted=_t(x.gathered_to_sorted, device),
+        sorted_to_gathered=_perm(x.sorted_to_gathered, device),
+        gathered_to_sorted=_perm(x.gathered_to_sorted, device),
         positions=_t(x.positions, device),
         cu_q=_t(x.cu_q, device),
+        max_q_len=_max_len(x.cu_q),
         my_rows=None if all_mine else _t(x.my_rows, device),
         pages=_table(x.pages, device),
     )
@@ -207,6 +223,7 @@ class CPAttention:
                 my_local_slots=_t(p.my_local_slots, device),
                 my_positions=_t(p.my_positions, device),
                 my_cu_q=_t(p.my_cu_q, device),
+                my_max_q_len=_max_len(p.my_cu_q),
                 pass_q=_exchange(p.pass_q, p.num_mine, device),
                 history=None if p.history is None else _exchange(p.history, p.num_mine, device),
                 new_pages=_table(p.new_pages, device),
@@ -280,6 +297,7 @@ class CPAttention:
         q: torch.Tensor,
         q_pos: torch.Tensor,
         cu_q: torch.Tensor,
+        max_q_len: int,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         pages: _DeviceTable,
@@ -299,6 +317,9 @@ class CPAttention:
             pages.page_len,
             pages.cu_pages,
             sm_scale,
+            # NOTE: from the host plan, so the launch reads nothing back (a sync per layer
+            # would let the GPU drain while the host queues the next layer's kernels).
+            max_q_len=max_q_len,
         )
 
     def _pass_q_round(
@@ -314,14 +335,18 @@ class CPAttention:
         g = self.group
         cp, me = g.world_size, g.rank
         _, hq, d = q.shape
-        rows = q if x.my_rows is None else q.index_select(0, x.my_rows)
+        rows = _rows(q, x.my_rows)
         gathered = g.all_gather_rows(rows.contiguous(), x.counts)
-        q_sorted = gathered.index_select(0, x.sorted_to_gathered)
-        out, lse = self._attend(q_sorted, x.positions, x.cu_q, k_shard, v_shard, x.pages, sm_scale)
+        q_sorted = _rows(gathered, x.sorted_to_gathered)
+        out, lse = self._attend(
+            q_sorted, x.positions, x.cu_q, x.max_q_len, k_shard, v_shard, x.pages, sm_scale
+        )
+        if cp == 1:  # nothing to exchange: no packing, no copies
+            return _rows(out, x.gathered_to_sorted)[None], _rows(lse, x.gathered_to_sorted)[None]
         n = q_sorted.shape[0]
         # out and lse travel together: one fp32 row of Hq * (D + 1) per query.
         packed = torch.cat([out.reshape(n, hq * d), lse.float()], dim=1)
-        packed = packed.index_select(0, x.gathered_to_sorted)  # back to rank-major
+        packed = _rows(packed, x.gathered_to_sorted)  # back to rank-major
         m = x.counts[me]
         recv = g.all_to_all_rows(list(packed.split(x.counts)), [m] * cp)
         parts = torch.stack(recv)  # [cp, m, Hq * (D + 1)]
@@ -355,7 +380,7 @@ class CPAttention:
         tmp.index_copy_(1, dp.new_rows, gathered.transpose(0, 1))
         k_tmp, v_tmp = tmp[0].view(n_new, ps, hkv, d), tmp[1].view(n_new, ps, hkv, d)
         out_new, lse_new = self._attend(
-            q, dp.my_positions, dp.my_cu_q, k_tmp, v_tmp, dp.new_pages, sm_scale
+            q, dp.my_positions, dp.my_cu_q, dp.my_max_q_len, k_tmp, v_tmp, dp.new_pages, sm_scale
         )
         if dp.history is None:
             return out_new

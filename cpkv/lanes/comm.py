@@ -25,7 +25,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -115,6 +116,45 @@ def _as_list(counts: Sequence[int], world_size: int, what: str) -> list[int]:
     return out
 
 
+class _WaitClock:
+    """Time one lane spends inside its collectives: moving bytes and waiting for the others.
+
+    On a CUDA device it times the lane's stream with events (no host sync; read when the step
+    has synchronised): the gap between what came before a collective and what comes after it,
+    which is the stream's idle time whatever the backend (NCCL's stream dependency, or gloo's
+    copies through the host). On the CPU, wall time.
+    """
+
+    __slots__ = ("_events", "_host_s")
+
+    def __init__(self) -> None:
+        self._host_s = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def timed(self, device: torch.device) -> Iterator[None]:
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            yield
+            self._host_s += time.perf_counter() - t0
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._events.append((start, end))
+
+    def take(self) -> float:
+        """Seconds timed since the last call (waits for the recorded events), then reset."""
+        total = self._host_s
+        for start, end in self._events:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1e3
+        self._host_s, self._events = 0.0, []
+        return total
+
+
 class LaneGroup:
     """A collective group among the ``world_size`` lanes of one pool (this process is ``rank``).
 
@@ -146,6 +186,7 @@ class LaneGroup:
         self._store = store
         self._alive = True
         self._link: dict[str, float] | None = None
+        self._wait = _WaitClock()
 
     @classmethod
     def create(
@@ -300,18 +341,19 @@ class LaneGroup:
         top = max(counts)
         if top == 0:  # every lane knows counts: all skip together
             return x.new_empty((0, *x.shape[1:]))
-        where = self._comm_device(x)
-        buf = x.new_zeros((top, *x.shape[1:]), device=where)
-        buf[: x.shape[0]] = x
-        out = buf.new_empty((self.world_size * top, *x.shape[1:]))
-        gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather_single(out, buf)
-        out = out.view(self.world_size, top, *x.shape[1:])
-        if all(c == top for c in counts):
-            rows = out.reshape(-1, *x.shape[1:])
-        else:
-            rows = torch.cat([out[r, : counts[r]] for r in range(self.world_size)])
-        return rows.to(x.device)
+        with self._wait.timed(x.device):
+            where = self._comm_device(x)
+            buf = x.new_zeros((top, *x.shape[1:]), device=where)
+            buf[: x.shape[0]] = x
+            out = buf.new_empty((self.world_size * top, *x.shape[1:]))
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(out, buf)
+            out = out.view(self.world_size, top, *x.shape[1:])
+            if all(c == top for c in counts):
+                rows = out.reshape(-1, *x.shape[1:])
+            else:
+                rows = torch.cat([out[r, : counts[r]] for r in range(self.world_size)])
+            return rows.to(x.device)
 
     def all_to_all_rows(
         self, send: Sequence[torch.Tensor], recv_counts: Sequence[int]
@@ -349,16 +391,25 @@ class LaneGroup:
                 )
             return [send[0]]
         device = send[0].device
-        where = self._comm_device(send[0])
-        flat_in = torch.cat([s.to(where) for s in send]).contiguous()
-        out = flat_in.new_empty((sum(recv_counts), *tail))
-        dist.all_to_all_single(
-            out,
-            flat_in,
-            output_split_sizes=recv_counts,
-            input_split_sizes=[int(s.shape[0]) for s in send],
-        )
-        return list(out.to(device).split(recv_counts))
+        with self._wait.timed(device):
+            where = self._comm_device(send[0])
+            flat_in = torch.cat([s.to(where) for s in send]).contiguous()
+            out = flat_in.new_empty((sum(recv_counts), *tail))
+            dist.all_to_all_single(
+                out,
+                flat_in,
+                output_split_sizes=recv_counts,
+                input_split_sizes=[int(s.shape[0]) for s in send],
+            )
+            return list(out.to(device).split(recv_counts))
+
+    def take_wait_seconds(self) -> float:
+        """Seconds this lane spent in row collectives since the last call (then reset).
+
+        Step time minus this is the lane's own work: the number that shows how evenly a plan
+        splits the work, which a step's wall time (everyone waits for the slowest) hides.
+        """
+        return self._wait.take()
 
     # --- link probe ---
 

@@ -91,7 +91,7 @@ class LaneWorker:
             ``{"logits": {b: fp32 [vocab]}`` for the sequences whose last new token this
             lane computed, ``"out"`` (probe steps: ``fp32 [n_mine, Hq, D]`` with
             ``"tokens"`` their step indices), ``"num_tokens"``, ``"compute_s"``, ``"mode"``,
-            ``"exchange_bytes"``.
+            ``"wait_s"`` (time in the lanes' collectives), ``"exchange_bytes"``.
 
         Raises:
             LaneGroupError: the step was made for another group.
@@ -105,6 +105,7 @@ class LaneWorker:
         # older than the last one run means a reordering bug, not a retry.
         assert step.step_id > self._last_step, (step.step_id, self._last_step)
         self._last_step = step.step_id
+        self.group.take_wait_seconds()  # drop what measure() or an earlier failure left
         t0 = time.perf_counter()
         plan = StepPlan.build(
             [StepRequest(s.prefix_len, s.extend_len, s.pages) for s in step.sequences],
@@ -125,6 +126,7 @@ class LaneWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         out["compute_s"] = time.perf_counter() - t0
+        out["wait_s"] = self.group.take_wait_seconds()
         out["mode"] = attn.last_mode
         out["exchange_bytes"] = int(attn.exchange_bytes)
         return out
