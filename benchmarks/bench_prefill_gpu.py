@@ -6,10 +6,12 @@ every lane), a prompt of ``--tokens`` tokens (32k by default):
 * transformers' own forward (``attn_implementation="sdpa"``, ``logits_to_keep=1``) of
   the same weights: the time to beat and the reference logits;
 * cpkv ``client.prefill`` at cp = 1, 2, 4 (lanes packed on the one GPU with fractional
-  ``num_gpus``): wall time per prefill, each lane's compute time and their balance,
-  and the logits against transformers' (bf16: max relative error and the top-1 token);
-* the cp=1 attention step through the lane (a probe step: store K/V, paged attention)
-  against plain SDPA on contiguous K/V of the same shape, on the same GPU.
+  ``num_gpus``): wall time per prefill, each lane's step time, its own work (step minus the
+  time in collectives) and their balance, and the logits against transformers' (bf16: max
+  relative error and the top-1 token);
+* where the cp=1 lane's time goes: its time in CP attention (K/V store + paged kernel, all
+  layers, timed on the lane with CUDA events) against plain SDPA on contiguous K/V of one
+  layer's shape times the layers, on the same GPU; the rest is the model's other work.
 
 Usage: python benchmarks/bench_prefill_gpu.py [--tokens 32768] [--cps 1,2,4] [--json PATH]
 Without CUDA it prints why and exits 0.
@@ -98,61 +100,52 @@ def cpkv_prefill(config, cp: int, prompts: list[np.ndarray], ref: np.ndarray) ->
         timeout_s=600,
     )
     try:
-        walls, lanes, modes = [], [], []
+        walls, lanes, waits, attns, modes = [], [], [], [], []
         for i, p in enumerate(prompts):
             t0 = time.perf_counter()
             res = client.prefill(f"p{i}", p)
             walls.append(time.perf_counter() - t0)
             lanes.append(res.lane_seconds)
+            waits.append(res.lane_wait_seconds)
+            attns.append(res.lane_attention_seconds)
             modes.append(res.mode)
             if i == 0:
                 first = _compare(res.logits, ref)
             client.free(f"p{i}", cache=False)
         timed = walls[1:] or walls  # the first call compiles the kernels
         lane_s = np.mean(lanes[1:] or lanes, axis=0)
-        out = {
+        busy_s = lane_s - np.mean(waits[1:] or waits, axis=0)
+        return {
             "cp": cp,
             "prefill_s": float(np.min(timed)),
             "first_call_s": walls[0],
             "lane_s": lane_s.tolist(),
             "lane_imbalance": float(lane_s.max() / lane_s.mean()),
+            "lane_busy_s": busy_s.tolist(),
+            "busy_imbalance": float(busy_s.max() / busy_s.mean()),
+            "lane_attention_s": np.mean(attns[1:] or attns, axis=0).tolist(),
             "mode": modes[-1],
             **first,
         }
-        if cp == 1:
-            out["attention_step"] = attention_step(client, config, n)
-        return out
     finally:
         client.shutdown()
 
 
-def attention_step(client, config, n: int) -> dict:
-    """A cp=1 probe step (store K/V + paged attention in the lane) vs SDPA on contiguous K/V."""
+def sdpa_layer_s(config, n: int) -> float:
+    """One layer's causal SDPA on contiguous ``[1, Hq, n, D]`` bf16 (KV heads repeated)."""
     import torch.nn.functional as F
 
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(n, hq, d, generator=g).to(torch.bfloat16)
-    k = torch.randn(n, hkv, d, generator=g).to(torch.bfloat16)
-    v = torch.randn(n, hkv, d, generator=g).to(torch.bfloat16)
-    tokens = np.zeros(n, dtype=np.int64)
-    lane, wall = [], []
-    for i in range(3):
-        t0 = time.perf_counter()
-        res = client.prefill(f"probe{i}", tokens + i, probe=(q, k, v))
-        wall.append(time.perf_counter() - t0)
-        lane.append(res.lane_seconds[0])
-        client.free(f"probe{i}", cache=False)
-    qc, kc, vc = (t.cuda().transpose(0, 1)[None] for t in (q, k, v))
-    kc, vc = (t.repeat_interleave(hq // hkv, dim=1) for t in (kc, vc))
-    sdpa, _ = _time(lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=True), 5)
-    lane_s = min(lane[1:])
-    return {
-        "lane_step_s": lane_s,
-        "round_trip_s": min(wall[1:]),
-        "sdpa_s": sdpa,
-        "lane_over_sdpa": lane_s / sdpa,
-    }
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(1, hq, n, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (
+        torch.randn(
+            1, hkv, n, d, device="cuda", generator=g, dtype=torch.bfloat16
+        ).repeat_interleave(hq // hkv, dim=1)
+        for _ in range(2)
+    )
+    t, _ = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 5)
+    return t
 
 
 def main() -> None:
@@ -185,30 +178,40 @@ def main() -> None:
         f"({hf['tokens_per_s']:.0f} tok/s)"
     )
     ray.init(include_dashboard=False, num_cpus=16, num_gpus=1, log_to_driver=False)
+    sdpa_s = sdpa_layer_s(config, args.tokens)
+    layers = config.num_layers
     rows = []
     for cp in [int(x) for x in args.cps.split(",")]:
         row = cpkv_prefill(config, cp, prompts, ref)
         rows.append(row)
-        lanes = ", ".join(f"{s * 1e3:.0f}" for s in row["lane_s"])
+
+        def ms(xs: list[float]) -> str:
+            return "[" + ", ".join(f"{x * 1e3:.0f}" for x in xs) + "]"
+
         print(
             f"cp={cp}: prefill {row['prefill_s'] * 1e3:.0f} ms = "
             f"{row['prefill_s'] / hf['prefill_s']:.2f}x transformers (target cp=1 <= 1.3x); "
-            f"lane compute [{lanes}] ms, max/mean {row['lane_imbalance']:.2f}; mode {row['mode']}; "
-            f"logits vs transformers: max rel err {row['max_rel_err']:.3g}, top-1 "
-            f"{'equal' if row['top1_equal'] else 'DIFFERENT'}, "
+            f"lane step {ms(row['lane_s'])} ms, own work {ms(row['lane_busy_s'])} ms "
+            f"(max/mean {row['busy_imbalance']:.2f}), attention {ms(row['lane_attention_s'])} ms; "
+            f"mode {row['mode']}; logits vs transformers: max rel err {row['max_rel_err']:.3g}, "
+            f"top-1 {'equal' if row['top1_equal'] else 'DIFFERENT'}, "
             f"top-5 overlap {row['top5_overlap']}/5"
         )
-        if "attention_step" in row:
-            a = row["attention_step"]
+        if cp == 1:
+            attn = row["lane_attention_s"][0]
+            row["sdpa_layers_s"] = sdpa_s * layers
             print(
-                f"cp=1 attention step in the lane {a['lane_step_s'] * 1e3:.1f} ms vs SDPA on "
-                f"contiguous K/V {a['sdpa_s'] * 1e3:.1f} ms = {a['lane_over_sdpa']:.2f}x "
-                f"(round trip with the probe's transfer {a['round_trip_s'] * 1e3:.0f} ms)"
+                f"cp=1 lane: attention {attn * 1e3:.0f} ms over {layers} layers "
+                f"({attn / layers * 1e3:.2f} ms/layer) vs SDPA on contiguous K/V "
+                f"{sdpa_s * 1e3:.2f} ms/layer = {attn / (sdpa_s * layers):.2f}x; the rest of the "
+                f"lane's step {(row['lane_s'][0] - attn) * 1e3:.0f} ms, transformers' forward "
+                f"less {layers} SDPA calls {(hf['prefill_s'] - sdpa_s * layers) * 1e3:.0f} ms"
             )
     ray.shutdown()
     if args.json:
+        payload = {"transformers": hf, "sdpa_layer_s": sdpa_s, "cpkv": rows, "tokens": args.tokens}
         with open(args.json, "w") as f:
-            json.dump({"transformers": hf, "cpkv": rows, "tokens": args.tokens}, f, indent=1)
+            json.dump(payload, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,8 @@ class PrefillResult:
         attention: probe steps only: fp32 ``[extend_len, Hq, D]`` attention outputs.
         lane_wait_seconds: each lane's time inside the lanes' collectives (moving bytes and
             waiting for slower lanes); ``lane_seconds - lane_wait_seconds`` is its own work.
+        lane_attention_seconds: each lane's time in CP attention (K/V store, exchanges and
+            kernels, all layers); the rest of ``lane_seconds`` is the model's other layers.
     """
 
     logits: np.ndarray | None
@@ -235,6 +237,7 @@ class PrefillResult:
     mode: str | None
     attention: np.ndarray | None = None
     lane_wait_seconds: list[float] = field(default_factory=list)
+    lane_attention_seconds: list[float] = field(default_factory=list)
 
 
 class _LeaseKeeper:
@@ -697,6 +700,7 @@ class CPKVClient:
             logits.update(res["logits"])
         lane_s = [float(res["compute_s"]) for res in results]
         wait_s = [float(res["wait_s"]) for res in results]
+        attn_s = [float(res["attention_s"]) for res in results]
         mode = results[0]["mode"]
         probe = None
         if any("out" in res for res in results):
@@ -705,7 +709,7 @@ class CPKVClient:
         for b, alloc in enumerate(allocs):
             part = None if probe is None else probe[start : start + alloc.extend_len]
             start += alloc.extend_len
-            made.append(PrefillResult(logits.get(b), alloc, lane_s, mode, part, wait_s))
+            made.append(PrefillResult(logits.get(b), alloc, lane_s, mode, part, wait_s, attn_s))
         return made
 
     def _wait_step(self, handles: list, what: str) -> list[dict]:

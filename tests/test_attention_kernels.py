@@ -325,6 +325,25 @@ def test_paged_attention_with_max_q_len_hint(hint):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_paged_attention_writes_out_in_the_asked_dtype(dtype):
+    # One lane's whole attention: out in the model dtype, the fp32 result rounded once (to
+    # nearest on a GPU; Triton's interpreter truncates), so within one ulp of it.
+    x = build(LAYOUTS["ragged-3-seqs"](16), 16, 4, 2, 16, dtype, seed=5)
+    out32, lse32 = run_kernel(x, 0.25)
+    out, lse = run_kernel(x, 0.25, out_dtype=dtype)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.cpu().float(), out32.cpu(), rtol=ulp, atol=1e-30)
+    assert torch.equal(lse.cpu(), lse32.cpu())
+
+
+def test_paged_attention_rejects_an_integer_out_dtype():
+    x = build(LAYOUTS["ragged-3-seqs"](16), 16, 4, 2, 16, torch.float16, seed=5)
+    with pytest.raises(ValueError, match="out_dtype"):
+        run_kernel(x, 0.25, out_dtype=torch.int32)
+
+
 def test_paged_attention_block_shrinks_to_short_sequences():
     # Short sequences (decode-like chunks): the launcher cuts query rows to what they fill.
     cfg = attn_mod.config_for(torch.bfloat16, 128, group=4, max_q_len=3)

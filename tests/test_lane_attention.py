@@ -113,5 +113,10 @@ def test_step_calls_are_one_per_lane_and_kv_never_crosses_the_driver(make_client
     before = c.stats()["lane_calls_by_op"].get("prefill", 0)
     res = c.prefill("r", prompt, probe=qkv(prompt))
     assert len(res.lane_seconds) == 4  # one step result per lane, all in one round
+    # Each lane's time splits into its parts: attention holds the collectives' time.
+    for total, attn, wait in zip(
+        res.lane_seconds, res.lane_attention_seconds, res.lane_wait_seconds, strict=True
+    ):
+        assert 0 < wait < attn < total
     assert c.stats()["lane_calls_by_op"].get("prefill", 0) - before == 4  # page moves
     assert res.allocation.page_owners is not None  # the zigzag plan

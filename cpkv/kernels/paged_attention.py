@@ -56,14 +56,15 @@ class AttnConfig:
 # - D=128: 128 rows x 64 keys, 8 warps, 3 stages: 374 TFLOP/s. 64x64 at 4 warps gave 377-378 and
 #   packing 4 GQA heads per program 370-378, both within ~1% (run-to-run spread ~0.5%), so the
 #   FA2 shape stays; 2 stages cost 3% (364), 4 stages nothing (372), 32-key tiles 27% (271).
-# - D=64: 64 rows x 128 keys, 4 warps: 332 TFLOP/s, against 245 for 128x64 at 8 warps, 274 for
-#   64x64 and 292 for 128x128 (a 64-wide head halves the work per key tile, so wider key tiles
-#   amortise the softmax and loop overhead).
+# - D=64: 64 rows x 128 keys, 4 warps, 2 stages: 348 TFLOP/s (3 stages 334, 4 stages 332; 2026-12-03
+#   sweep, docs/gpu-run/lanes/sweep.txt), against 245 for 128x64 at 8 warps, 274 for 64x64, 292
+#   for 128x128, 226 for 64x256 and 156 for 64x128 at 8 warps (a 64-wide head halves the work
+#   per key tile, so wider key tiles amortise the softmax and loop overhead, up to 128).
 # - D=256: not measured; 64x32 at 8 warps is the largest tile that did not spill.
 # fp32 runs its dots in IEEE fp32 on the FMA units (a correctness path, not tuned): the largest
 # tiles that did not spill (64x32 at D=128 spilled 900 B).
 CONFIGS: dict[tuple[int, int], AttnConfig] = {
-    (2, 64): AttnConfig(block_m=64, block_n=128, heads_per_program=1, num_warps=4, num_stages=3),
+    (2, 64): AttnConfig(block_m=64, block_n=128, heads_per_program=1, num_warps=4, num_stages=2),
     (2, 128): AttnConfig(block_m=128, block_n=64, heads_per_program=1, num_warps=8, num_stages=3),
     (2, 256): AttnConfig(block_m=64, block_n=32, heads_per_program=1, num_warps=8, num_stages=2),
     (4, 64): AttnConfig(block_m=64, block_n=32, heads_per_program=1, num_warps=8, num_stages=2),
@@ -115,7 +116,7 @@ if HAS_TRITON:
         cu_pages_ptr,  # [B + 1]
         block_seq_ptr,  # [grid0] int32 sequence of each query block (>= B: idle program)
         cu_blocks_ptr,  # [B] int64 inclusive cumsum of query blocks per sequence
-        out_ptr,  # [Tq, Hq, D] fp32 contiguous
+        out_ptr,  # [Tq, Hq, D] contiguous, fp32 or the q dtype
         lse_ptr,  # [Tq, Hq] fp32 contiguous
         qk_scale,  # sm_scale * log2(e): scores in the exp2 domain
         n_seqs,
@@ -290,6 +291,7 @@ def _validate(
     cu_pages: torch.Tensor,
     sm_scale: float,
     max_q_len: int | None,
+    out_dtype: torch.dtype,
 ) -> torch.device:
     """Host-side checks of shapes, dtypes, devices and layout (no device sync)."""
     q = check_tensor(_NAME, "q", q, ndim=3, dtypes=KV_DTYPES)
@@ -352,6 +354,8 @@ def _validate(
     ):
         raise ValueError(f"{_NAME}: sm_scale must be a finite number > 0, got {sm_scale!r}")
     check_hint(_NAME, "max_q_len", max_q_len)
+    if out_dtype not in KV_DTYPES:
+        raise ValueError(f"{_NAME}: out_dtype must be one of {KV_DTYPES}, got {out_dtype!r}")
     return check_same_device(
         _NAME,
         q=q,
@@ -448,6 +452,7 @@ def paged_partial_attention(
     sm_scale: float,
     *,
     max_q_len: int | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries with global positions over the pages one lane holds, causal by
     position, with its log-sum-exp (merge lanes' partials with :func:`merge_attn_states`).
@@ -477,11 +482,14 @@ def paged_partial_attention(
         max_q_len: optional host-side bound on the longest sequence's query count (any upper
             bound works; larger only adds idle programs). Given, the launch needs no device
             sync; without it the launcher reads the offsets once and checks them.
+        out_dtype: dtype of ``out``: fp32 (default) for partials that will be merged; the
+            model dtype when this is the whole attention (one lane), which saves writing fp32
+            and casting it after (the kernel accumulates in fp32 either way).
 
     Returns:
-        ``(out, lse)``: ``out`` fp32 ``[Tq, Hq, D]`` normalised over the visible keys, ``lse``
-        fp32 ``[Tq, Hq]`` natural-log sum of ``exp(sm_scale * q.k)`` over them; where a query
-        sees no key, ``out`` is 0 and ``lse`` is ``-inf``.
+        ``(out, lse)``: ``out`` ``[Tq, Hq, D]`` in ``out_dtype``, normalised over the visible
+        keys, ``lse`` fp32 ``[Tq, Hq]`` natural-log sum of ``exp(sm_scale * q.k)`` over them;
+        where a query sees no key, ``out`` is 0 and ``lse`` is ``-inf``.
 
     Raises:
         ValueError: bad shapes, dtypes, devices or strides; and, without ``max_q_len``,
@@ -493,7 +501,7 @@ def paged_partial_attention(
     """
     device = _validate(
         q, q_pos, cu_q, k_cache, v_cache, page_table, page_pos, page_len, cu_pages,
-        sm_scale, max_q_len,
+        sm_scale, max_q_len, out_dtype,
     )  # fmt: skip
     tq, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -501,12 +509,13 @@ def paged_partial_attention(
     if max_q_len is None:
         max_q_len = _read_sizes(cu_q, cu_pages, page_len, tq, page_size)
     if tq == 0 or d == 0 or n_seqs == 0 or max_q_len == 0:
-        out = torch.zeros((tq, hq, d), dtype=torch.float32, device=device)
+        out = torch.zeros((tq, hq, d), dtype=out_dtype, device=device)
         return out, torch.full((tq, hq), float("-inf"), dtype=torch.float32, device=device)
     if not use_triton(_NAME, device):
-        return naive.paged_partial_attention(
+        out, lse = naive.paged_partial_attention(
             q, q_pos, cu_q, k_cache, v_cache, page_table, page_pos, page_len, cu_pages, sm_scale
         )
+        return out.to(out_dtype), lse
 
     group = hq // hkv
     cfg = config_for(q.dtype, d, group, max_q_len)
@@ -518,7 +527,8 @@ def paged_partial_attention(
     # covers every block without reading the lengths.
     n_grid = min(tq // block_t + n_seqs, n_seqs * cdiv(max_q_len, block_t))
     block_seq, cu_blocks = _block_map(cu_q, block_t, n_grid)
-    out = torch.empty((tq, hq, d), dtype=torch.float32, device=device)
+    # NOTE: the kernel's store rounds the fp32 accumulator to out's dtype.
+    out = torch.empty((tq, hq, d), dtype=out_dtype, device=device)
     lse = torch.empty((tq, hq), dtype=torch.float32, device=device)
     grid = (n_grid, hq // cfg.heads_per_program)
     for_current_mode(_paged_attention_kernel)[grid](

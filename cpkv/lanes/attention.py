@@ -302,9 +302,10 @@ class CPAttention:
         v_cache: torch.Tensor,
         pages: _DeviceTable,
         sm_scale: float,
+        out_dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.shape[0] == 0 or pages.num_pages == 0:  # nothing visible: the empty partial
-            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            out = torch.zeros(q.shape, dtype=out_dtype, device=q.device)
             return out, torch.full(q.shape[:2], float("-inf"), device=q.device)
         return kernels.paged_partial_attention(
             q,
@@ -320,6 +321,7 @@ class CPAttention:
             # NOTE: from the host plan, so the launch reads nothing back (a sync per layer
             # would let the GPU drain while the host queues the next layer's kernels).
             max_q_len=max_q_len,
+            out_dtype=out_dtype,
         )
 
     def _pass_q_round(
@@ -329,9 +331,11 @@ class CPAttention:
         k_shard: torch.Tensor,
         v_shard: torch.Tensor,
         sm_scale: float,
+        out_dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Partials of this lane's subset queries from every lane: ``[cp, m, Hq, D]``, ``[cp,
-        m, Hq]`` (``m = counts[lane]``, rows in ``my_rows`` order)."""
+        m, Hq]`` (``m = counts[lane]``, rows in ``my_rows`` order). ``out_dtype`` applies at
+        cp_size 1 (one partial: nothing to pack or merge); exchanged partials are fp32."""
         g = self.group
         cp, me = g.world_size, g.rank
         _, hq, d = q.shape
@@ -339,8 +343,9 @@ class CPAttention:
         gathered = g.all_gather_rows(rows.contiguous(), x.counts)
         q_sorted = _rows(gathered, x.sorted_to_gathered)
         out, lse = self._attend(
-            q_sorted, x.positions, x.cu_q, x.max_q_len, k_shard, v_shard, x.pages, sm_scale
-        )
+            q_sorted, x.positions, x.cu_q, x.max_q_len, k_shard, v_shard, x.pages, sm_scale,
+            out_dtype if cp == 1 else torch.float32,
+        )  # fmt: skip
         if cp == 1:  # nothing to exchange: no packing, no copies
             return _rows(out, x.gathered_to_sorted)[None], _rows(lse, x.gathered_to_sorted)[None]
         n = q_sorted.shape[0]
@@ -419,8 +424,9 @@ class CPAttention:
             sm_scale: softmax scale.
 
         Returns:
-            ``fp32 [n_mine, Hq, D]``: causal attention of each of this lane's tokens over its
-            whole sequence (cached prefix and this step's tokens up to its position).
+            ``[n_mine, Hq, D]``: causal attention of each of this lane's tokens over its whole
+            sequence (cached prefix and this step's tokens up to its position); fp32, or the
+            dtype of ``q`` at cp_size 1 with ``pass_q`` (one partial, nothing to merge).
 
         Raises:
             ValueError: shapes that do not match the plan or each other, a shard too small for
@@ -437,8 +443,11 @@ class CPAttention:
         self.last_mode = mode
         if mode == "pass_kv":
             return self._pass_kv(dp, k_shard, v_shard, q, k, v, sm_scale)
-        outs, lses = self._pass_q_round(dp.pass_q, q, k_shard, v_shard, sm_scale)
-        if outs.shape[0] == 1:
+        one = self.group.world_size == 1
+        outs, lses = self._pass_q_round(
+            dp.pass_q, q, k_shard, v_shard, sm_scale, q.dtype if one else torch.float32
+        )
+        if one:
             return outs[0]
         return kernels.merge_attn_states(outs, lses)[0]
 

@@ -25,12 +25,13 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from cpkv.lanes.clock import StreamClock
 
 __all__ = ["LaneGroup", "choose_backend", "free_port"]
 
@@ -116,45 +117,6 @@ def _as_list(counts: Sequence[int], world_size: int, what: str) -> list[int]:
     return out
 
 
-class _WaitClock:
-    """Time one lane spends inside its collectives: moving bytes and waiting for the others.
-
-    On a CUDA device it times the lane's stream with events (no host sync; read when the step
-    has synchronised): the gap between what came before a collective and what comes after it,
-    which is the stream's idle time whatever the backend (NCCL's stream dependency, or gloo's
-    copies through the host). On the CPU, wall time.
-    """
-
-    __slots__ = ("_events", "_host_s")
-
-    def __init__(self) -> None:
-        self._host_s = 0.0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    @contextmanager
-    def timed(self, device: torch.device) -> Iterator[None]:
-        if device.type != "cuda":
-            t0 = time.perf_counter()
-            yield
-            self._host_s += time.perf_counter() - t0
-            return
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._events.append((start, end))
-
-    def take(self) -> float:
-        """Seconds timed since the last call (waits for the recorded events), then reset."""
-        total = self._host_s
-        for start, end in self._events:
-            end.synchronize()
-            total += start.elapsed_time(end) / 1e3
-        self._host_s, self._events = 0.0, []
-        return total
-
-
 class LaneGroup:
     """A collective group among the ``world_size`` lanes of one pool (this process is ``rank``).
 
@@ -186,7 +148,7 @@ class LaneGroup:
         self._store = store
         self._alive = True
         self._link: dict[str, float] | None = None
-        self._wait = _WaitClock()
+        self._wait = StreamClock()
 
     @classmethod
     def create(

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from cpkv.lanes.attention import CPAttention
+from cpkv.lanes.clock import StreamClock
 from cpkv.lanes.comm import LaneGroup, free_port
 from cpkv.lanes.shard import LaneShard
 from cpkv.lanes.step import StepPlan, StepRequest
@@ -51,6 +52,7 @@ class LaneWorker:
         self.group: LaneGroup | None = None
         self.group_id: str | None = None
         self._last_step = -1
+        self._attention_clock = StreamClock()
 
     # ------------------------------------------------------------------ group
     def rendezvous_address(self) -> tuple[str, int]:
@@ -91,7 +93,8 @@ class LaneWorker:
             ``{"logits": {b: fp32 [vocab]}`` for the sequences whose last new token this
             lane computed, ``"out"`` (probe steps: ``fp32 [n_mine, Hq, D]`` with
             ``"tokens"`` their step indices), ``"num_tokens"``, ``"compute_s"``, ``"mode"``,
-            ``"wait_s"`` (time in the lanes' collectives), ``"exchange_bytes"``.
+            ``"wait_s"`` (time in the lanes' collectives), ``"attention_s"`` (time in CP
+            attention, its collectives included), ``"exchange_bytes"``.
 
         Raises:
             LaneGroupError: the step was made for another group.
@@ -106,6 +109,7 @@ class LaneWorker:
         assert step.step_id > self._last_step, (step.step_id, self._last_step)
         self._last_step = step.step_id
         self.group.take_wait_seconds()  # drop what measure() or an earlier failure left
+        self._attention_clock.take()
         t0 = time.perf_counter()
         plan = StepPlan.build(
             [StepRequest(s.prefix_len, s.extend_len, s.pages) for s in step.sequences],
@@ -127,6 +131,7 @@ class LaneWorker:
             torch.cuda.synchronize(self.device)
         out["compute_s"] = time.perf_counter() - t0
         out["wait_s"] = self.group.take_wait_seconds()
+        out["attention_s"] = self._attention_clock.take()
         out["mode"] = attn.last_mode
         out["exchange_bytes"] = int(attn.exchange_bytes)
         return out
@@ -139,15 +144,10 @@ class LaneWorker:
         # probe costs more than the attention).
         q, k, v = (t.to(dev, non_blocking=True) for t in probe)
         mine = torch.from_numpy(rows[plan.my_tokens]).to(dev)
-        o = attn.forward(
-            shard.k[0],
-            shard.v[0],
-            q[mine],
-            k[mine].to(dtype),
-            v[mine].to(dtype),
-            q.shape[-1] ** -0.5,
-        )
-        return o.cpu()
+        q, k, v = q[mine], k[mine].to(dtype), v[mine].to(dtype)
+        with self._attention_clock.timed(dev):
+            o = attn.forward(shard.k[0], shard.v[0], q, k, v, q.shape[-1] ** -0.5)
+        return o.float().cpu()
 
     def _forward(
         self, shard: LaneShard, plan: StepPlan, attn: CPAttention, step: StepInput
@@ -163,7 +163,8 @@ class LaneWorker:
         hidden = model.embed(tokens)
         for layer in range(model.config.num_layers):
             q, k, v = model.attention_inputs(layer, hidden, positions)
-            o = attn.forward(shard.k[layer], shard.v[layer], q, k, v, model.sm_scale)
+            with self._attention_clock.timed(dev):
+                o = attn.forward(shard.k[layer], shard.v[layer], q, k, v, model.sm_scale)
             hidden = model.finish_layer(layer, hidden, o)
         last = [b for b in range(plan.num_requests) if int(plan.last_token_owner[b]) == self.lane]
         if not last:

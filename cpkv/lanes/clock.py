@@ -1,0 +1,51 @@
+"""StreamClock: the time a lane's device spends in chosen sections, without host syncs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["StreamClock"]
+
+
+class StreamClock:
+    """Adds up the time spent in the sections it times.
+
+    On a CUDA device it times the current stream with events (no host sync; read once the step
+    has synchronised): from what came before a section to what comes after it, so a collective
+    counts as the stream's idle time whatever the backend (NCCL's stream dependency, or gloo's
+    copies through the host), and a kernel as its run time. On the CPU, wall time.
+    """
+
+    __slots__ = ("_events", "_host_s")
+
+    def __init__(self) -> None:
+        self._host_s = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def timed(self, device: torch.device) -> Iterator[None]:
+        """Time the enclosed work on ``device``."""
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            yield
+            self._host_s += time.perf_counter() - t0
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._events.append((start, end))
+
+    def take(self) -> float:
+        """Seconds timed since the last call (waits for the recorded events), then reset."""
+        total = self._host_s
+        for start, end in self._events:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1e3
+        self._host_s, self._events = 0.0, []
+        return total
