@@ -177,7 +177,9 @@ def main() -> None:
         f"transformers sdpa forward: {hf['prefill_s'] * 1e3:.0f} ms "
         f"({hf['tokens_per_s']:.0f} tok/s)"
     )
-    ray.init(include_dashboard=False, num_cpus=16, num_gpus=1, log_to_driver=False)
+    from cpkv.demo import start_quiet_ray
+
+    start_quiet_ray(None, max(int(x) for x in args.cps.split(",")))  # no Ray warnings here
     sdpa_s = sdpa_layer_s(config, args.tokens)
     layers = config.num_layers
     rows = []
