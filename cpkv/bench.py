@@ -424,8 +424,9 @@ def _prefill_point(cfg: PrefillBenchConfig, spec, cp: int, context: int, split: 
     finally:
         client.shutdown()
     wall = np.asarray(walls)
-    lane_ms = (np.mean(lane_s, axis=0) * 1e3).tolist()
-    busy_ms = ((np.mean(lane_s, axis=0) - np.mean(wait_s, axis=0)) * 1e3).tolist()
+    lane_mean = np.mean(lane_s, axis=0)
+    lane_ms = (lane_mean * 1e3).tolist()
+    busy_ms = ((lane_mean - np.mean(wait_s, axis=0)) * 1e3).tolist()
     share = np.mean(work, axis=0)
     share = (share / share.mean()).tolist() if share.mean() > 0 else share.tolist()
     cpu_ms = (np.mean(cpu_s, axis=0) * 1e3).tolist() if cpu_s else []

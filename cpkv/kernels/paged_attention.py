@@ -57,7 +57,7 @@ class AttnConfig:
 #   packing 4 GQA heads per program 370-378, both within ~1% (run-to-run spread ~0.5%), so the
 #   FA2 shape stays; 2 stages cost 3% (364), 4 stages nothing (372), 32-key tiles 27% (271).
 # - D=64: 64 rows x 128 keys, 4 warps, 2 stages: 348 TFLOP/s (3 stages 334, 4 stages 332; 2026-12-03
-#   sweep, docs/gpu-run/lanes/sweep.txt), against 245 for 128x64 at 8 warps, 274 for 64x64, 292
+#   sweep, docs/gpu-run/lanes2/sweep.txt), against 245 for 128x64 at 8 warps, 274 for 64x64, 292
 #   for 128x128, 226 for 64x256 and 156 for 64x128 at 8 warps (a 64-wide head halves the work
 #   per key tile, so wider key tiles amortise the softmax and loop overhead, up to 128).
 # - D=256: not measured; 64x32 at 8 warps is the largest tile that did not spill.

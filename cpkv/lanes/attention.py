@@ -334,8 +334,8 @@ class CPAttention:
         out_dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Partials of this lane's subset queries from every lane: ``[cp, m, Hq, D]``, ``[cp,
-        m, Hq]`` (``m = counts[lane]``, rows in ``my_rows`` order). ``out_dtype`` applies at
-        cp_size 1 (one partial: nothing to pack or merge); exchanged partials are fp32."""
+        m, Hq]`` (``m = counts[lane]``, rows in ``my_rows`` order). At cp_size 1 the one partial
+        comes in ``out_dtype`` (nothing to pack or merge); exchanged partials are fp32."""
         g = self.group
         cp, me = g.world_size, g.rank
         _, hq, d = q.shape
@@ -443,11 +443,9 @@ class CPAttention:
         self.last_mode = mode
         if mode == "pass_kv":
             return self._pass_kv(dp, k_shard, v_shard, q, k, v, sm_scale)
-        one = self.group.world_size == 1
-        outs, lses = self._pass_q_round(
-            dp.pass_q, q, k_shard, v_shard, sm_scale, q.dtype if one else torch.float32
-        )
-        if one:
+        # At cp_size 1 the one partial is the whole attention: it comes in q's dtype.
+        outs, lses = self._pass_q_round(dp.pass_q, q, k_shard, v_shard, sm_scale, q.dtype)
+        if outs.shape[0] == 1:
             return outs[0]
         return kernels.merge_attn_states(outs, lses)[0]
 
