@@ -145,44 +145,48 @@ def test_hung_coordinator_times_out_with_a_clear_error(ray_session):
 
 
 def test_a_restarting_lane_stalls_no_caller(make_client):
+    """A killed lane is found lost and brought back while every other call answers at once.
+
+    NOTE: how long Ray takes to restart the actor is not ours to set, so the window in which
+    the lane is "restarting" may be shorter than one sample here; what a caller sees inside
+    that window is pinned deterministically by test_coordinator's
+    test_a_restarting_lane_stalls_nobody. Here: the real kill is detected, recorded and
+    recovered from, and no call waits for it.
+    """
     c = make_client(fresh=True)
     live = {}
     for i in range(8):  # single-page requests spread over the lanes
         alloc = c.allocate_extend(f"one{i}", [100 + i])
         live[f"one{i}"] = int(alloc.new_pages[0]) % 4
+    survivors = [rid for rid, lane in live.items() if lane != 3]
+    losses_before = len(c.stats()["lane_losses"])
     ray.kill(c.lanes[3], no_restart=False)
-    # NOTE: a page move to the killed lane fails at once, so the coordinator finds it lost
-    # while Ray restarts it and the restarting window lasts that long. Waiting for the
-    # heartbeat instead, the lane may be back first (the heartbeat then meets the new
-    # incarnation and the reset is immediate): a window shorter than one sample here.
-    try:
-        c.allocate_extend("trigger", np.arange(64))  # pages on every lane
-    except KVCapacityWaitError as e:  # lane 3 was found lost already
-        assert e.reason == "lane_unavailable"
-    samples, saw_restarting = [], False
+    samples = []
+    t0 = time.monotonic()
+    c.allocate_decode(survivors)  # touches live lanes only, whatever lane 3's state
+    samples.append(time.monotonic() - t0)
+    saw_restarting, recovered = False, False
     end = time.monotonic() + 20
-    while time.monotonic() < end:
+    while time.monotonic() < end and not recovered:
         t0 = time.monotonic()
         stats = c.stats()
         samples.append(time.monotonic() - t0)
         if stats["restarting_lanes"] == [3] and not saw_restarting:
-            saw_restarting = True
+            saw_restarting = True  # inside the window: a plan needing lane 3 waits
             t0 = time.monotonic()
-            survivors = [rid for rid, lane in live.items() if lane != 3]
-            c.allocate_decode(survivors)  # touches live lanes only
-            try:  # needs lane 3: a wait, unless it came back meanwhile
+            try:
                 c.allocate_extend("big", np.arange(64))
-                c.free("big", cache=False)
+                c.free("big", cache=False)  # it came back meanwhile
             except KVCapacityWaitError as e:
                 assert e.reason == "lane_unavailable" and e.deficit_by_owner[3] > 0
             samples.append(time.monotonic() - t0)
-        if saw_restarting and stats["lane_states"] == ["up"] * 4:
-            break
+        lost = [lane for lane, _ in stats["lane_losses"][losses_before:]]
+        recovered = 3 in lost and stats["lane_states"] == ["up"] * 4
         time.sleep(0.02)
-    assert saw_restarting, f"no sample saw the lane restarting: {c.stats()['lane_losses']}"
-    assert max(samples) < 0.5, max(samples)
-    assert c.stats()["lane_states"] == ["up"] * 4
-    c.allocate_extend("big", np.arange(64))
+    assert recovered, f"lane 3 not found lost and back: {c.stats()}"
+    assert max(samples) < 0.5, (max(samples), saw_restarting)
+    c.allocate_decode(survivors)  # the survivors' requests outlived the loss
+    c.allocate_extend("big2", np.arange(64))  # pages on every lane, lane 3 included
     assert c.check()["ok"]
 
 
