@@ -56,6 +56,7 @@ def connect(
     strategy: str = "STRICT_PACK",
     name: str = DEFAULT_NAME,
     timeout_s: float = 60.0,
+    start_timeout_s: float = 300.0,
     heartbeat_s: float = 1.0,
     lease_s: float | None = 30.0,
     detached: bool = False,
@@ -83,6 +84,9 @@ def connect(
         strategy: ``STRICT_PACK`` (default), ``PACK``, ``SPREAD`` or ``STRICT_SPREAD``.
         name: the coordinator's actor name; an existing one is attached to.
         timeout_s: every client call fails with RequestTimeoutError after this.
+        start_timeout_s: how long a pool this call creates may take to start: its lanes
+            placed, their processes up (importing torch, loading the model) and the
+            coordinator's first answer.
         heartbeat_s: the coordinator's lane heartbeat and lease-check period.
         lease_s: this client's lease: renewed in the background while the client
             lives; when it lapses (the process died) the coordinator frees the
@@ -156,7 +160,7 @@ def connect(
             num_gpus_per_lane=num_gpus_per_lane,
             num_cpus_per_lane=num_cpus_per_lane,
             strategy=strategy,
-            timeout_s=timeout_s,
+            timeout_s=start_timeout_s,
             # NOTE: unique per creation: two drivers racing to create one pool must
             # not collide on lane names; the loser removes its lanes below.
             name_prefix=f"{name}-{uuid.uuid4().hex[:8]}-",
@@ -171,7 +175,7 @@ def connect(
                     lane.kv_capacity.remote(gpu_memory_utilization, share)
                     for lane in placement.lanes
                 ],
-                timeout=timeout_s,
+                timeout=start_timeout_s,
             )
             if min(caps) < 2:
                 placement.remove()
@@ -187,7 +191,12 @@ def connect(
             config, kv, placement.lane_names, heartbeat_s, timeout_s
         )
     client = CPKVClient(
-        coordinator, timeout_s=timeout_s, placement=placement, owns_ray=started, lease_s=lease_s
+        coordinator,
+        timeout_s=timeout_s,
+        placement=placement,
+        owns_ray=started,
+        lease_s=lease_s,
+        hello_timeout_s=start_timeout_s if placement is not None else None,
     )
     client.name = name
     client.attention_mode = attention_mode
@@ -287,6 +296,8 @@ class CPKVClient:
             the pool: its :meth:`shutdown` stops it).
         owns_ray: this client started Ray and stops it on :meth:`shutdown`.
         lease_s: this client's lease (see :func:`connect`); ``None`` for none.
+        hello_timeout_s: the first call's timeout when it differs (a coordinator just
+            created answers once it has reset its lanes); default ``timeout_s``.
     """
 
     def __init__(
@@ -297,6 +308,7 @@ class CPKVClient:
         placement=None,
         owns_ray: bool = False,
         lease_s: float | None = None,
+        hello_timeout_s: float | None = None,
     ) -> None:
         import ray
 
@@ -310,7 +322,9 @@ class CPKVClient:
         self.lease_s = lease_s
         self._rids: set[Hashable] = set()
         self._lost: list = []
-        hello = self._get(self._coord.hello.remote(self.client_id, lease_s), "hello")
+        hello = self._get(
+            self._coord.hello.remote(self.client_id, lease_s), "hello", timeout=hello_timeout_s
+        )
         self._epoch: str = hello["epoch"]
         self.config: CPConfig = hello["config"]
         self.kv: KVShape = hello["kv"]
@@ -330,11 +344,12 @@ class CPKVClient:
     def _call_id(self) -> tuple[str, int]:
         return (self.client_id, next(self._calls))
 
-    def _get(self, ref, what: str):
+    def _get(self, ref, what: str, timeout: float | None = None):
+        timeout = self.timeout_s if timeout is None else timeout
         try:
-            return self._unwrap(self._ray.get(ref, timeout=self.timeout_s))
+            return self._unwrap(self._ray.get(ref, timeout=timeout))
         except Exception as e:
-            raise self._translate(e, what) from None
+            raise self._translate(e, what, timeout) from None
 
     async def _aget(self, ref, what: str):
         try:
@@ -342,11 +357,12 @@ class CPKVClient:
         except Exception as e:
             raise self._translate(e, what) from None
 
-    def _translate(self, e: Exception, what: str) -> Exception:
+    def _translate(self, e: Exception, what: str, timeout: float | None = None) -> Exception:
         """Ray's timeout and actor errors as cpkv's; anything else unchanged."""
         ray = self._ray
         if isinstance(e, (ray.exceptions.GetTimeoutError, asyncio.TimeoutError)):
-            return RequestTimeoutError(f"{what}: no answer within {self.timeout_s}s")
+            waited = self.timeout_s if timeout is None else timeout
+            return RequestTimeoutError(f"{what}: no answer within {waited}s")
         if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
             self._lose_all()
             return CoordinatorUnavailableError(

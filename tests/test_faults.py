@@ -131,6 +131,21 @@ class _HungCoordinator:
         time.sleep(30)
 
 
+def test_a_pool_that_cannot_start_in_time_leaves_nothing_behind(ray_session):
+    name = "slow-start"
+    opts = {**DEFAULTS, "name": name, "start_timeout_s": 0.3}
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"0\.3s"):  # lane processes take seconds to start
+        cpkv.connect(**opts)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ValueError):  # no coordinator was made
+        ray.get_actor(name, namespace="cpkv")
+    ours = [
+        pg for pg in ray.util.placement_group_table().values() if pg["name"].startswith(f"{name}-")
+    ]
+    assert ours and all(pg["state"] == "REMOVED" for pg in ours), ours
+
+
 def test_hung_coordinator_times_out_with_a_clear_error(ray_session):
     actor = _HungCoordinator.options(max_concurrency=4).remote()
     ray.get(actor.hello.remote())  # started: only the hung calls may time out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import ray
@@ -53,7 +54,8 @@ def place_lanes(
             0 runs lanes without a GPU).
         num_cpus_per_lane: logical CPUs a lane reserves.
         strategy: placement-group strategy, one of :data:`STRATEGIES`.
-        timeout_s: how long to wait for the bundles.
+        timeout_s: how long to wait for the bundles and for every lane to have started
+            (its process up, torch imported, the model loaded).
         name_prefix: the lane actors are named ``{prefix}lane{r}`` (namespace ``cpkv``) and
             the placement group ``{prefix}lanes``; the coordinator finds them by name.
         detached: outlive the creating driver.
@@ -62,7 +64,8 @@ def place_lanes(
 
     Raises:
         InvalidRequestError: a bad strategy or resource amount.
-        TimeoutError: the cluster cannot fit the bundles in time.
+        TimeoutError: the cluster cannot fit the bundles, or the lanes did not start, in time.
+        ray.exceptions.RayActorError: a lane failed to start (its constructor raised).
     """
     from cpkv.actors.lane import LaneActor
 
@@ -85,6 +88,7 @@ def place_lanes(
         name=f"{name_prefix}lanes",
         lifetime="detached" if detached else None,
     )
+    deadline = time.monotonic() + timeout_s
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -113,4 +117,19 @@ def place_lanes(
                 r, config.cp_size, num_pages, config.page_size, kv, model
             )
         )
-    return LanePlacement(lanes, pg, names)
+    placement = LanePlacement(lanes, pg, names)
+    # NOTE: wait here, not in the coordinator: a cold lane (a new process importing torch,
+    # loading weights) can take tens of seconds on a busy machine, longer than a request's
+    # timeout, and a lane that cannot start says why here instead of as a dead lane later.
+    try:
+        ray.get(
+            [lane.info.remote() for lane in lanes],
+            timeout=max(0.1, deadline - time.monotonic()),
+        )
+    except ray.exceptions.GetTimeoutError:
+        placement.remove()
+        raise TimeoutError(f"{config.cp_size} lanes not started after {timeout_s}s") from None
+    except Exception:
+        placement.remove()
+        raise
+    return placement
