@@ -507,8 +507,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> list[dict]:
             "collectives (PrefillResult.lane_wait_seconds), the lane's own work (lanes packed "
             "on one GPU also wait for each other's kernels there); work_share: causal "
             "attention work per lane from the owner plan, relative to the mean; lane_cpu_ms: "
-            "CPU time of each lane "
-            "process during the prefill (CPU lanes on this node only)"
+            "CPU time of each lane process during the prefill (CPU lanes on this node only)"
         ),
     }
     base = os.path.join(cfg.out_dir, "bench_prefill")
