@@ -9,6 +9,10 @@ its slots, unused pages filled with NaN so a stray read or write shows), runs
 ``scaled_dot_product_attention`` over the whole sequence (fp32, causal) and its shard against
 the K/V every position of its pages must hold. World size 1 runs in this process. With a GPU,
 every lane's shards and tensors are CUDA tensors on it (gloo stages them through the host).
+
+Every multi-lane case runs twice: over gloo, and over the device exchange (``cuda_ipc``: CUDA IPC
+buffers on a GPU, :class:`cpkv.lanes.ipc_device.FakeIpcDevice` on CPU, whose event waits check
+the protocol's order).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 
 from cpkv.lanes.attention import MODES, CPAttention, exchange_costs
 from cpkv.lanes.comm import LaneGroup, choose_backend, free_port
+from cpkv.lanes.ipc_device import FakeIpcDevice
 from cpkv.lanes.step import StepPlan, StepRequest
 from cpkv.owners import build_owner_plan
 
@@ -217,8 +222,10 @@ def run_case(group: LaneGroup, case: Case) -> dict:
     # collectives, so the lane process must end and mp.spawn report its traceback.
     on = [t.to(DEVICE) for t in (k_shard, v_shard, q, k, v)]
     group.take_wait_seconds()
+    group.take_exchange_stats()
     out = attn.forward(*on, SCALE)
     wait_s = group.take_wait_seconds()
+    moved = group.take_exchange_stats()
     k_shard, v_shard, out = on[0].cpu(), on[1].cpu(), out.cpu()
 
     refs = [reference(*s) for s in seqs]
@@ -247,6 +254,7 @@ def run_case(group: LaneGroup, case: Case) -> dict:
         "bytes": attn.exchange_bytes,
         "n": n,
         "wait_s": wait_s,
+        "bytes_read": moved.bytes_read,
     }
 
 
@@ -261,6 +269,7 @@ def summary(result: dict) -> dict:
         "bytes": result["bytes"],
         "n": result["n"],
         "wait_s": result["wait_s"],
+        "bytes_read": result["bytes_read"],
     }
 
 
@@ -282,7 +291,7 @@ PHASES = (4, 3, 2, 4)
 MAX_LANES = max(PHASES)
 
 
-def lane_main(rank: int, ports: list[int], out_dir: str) -> None:
+def lane_main(rank: int, ports: list[int], out_dir: str, backend: str) -> None:
     """A spawned lane: for each phase it belongs to, create the group, run every case (the
     rebuilt group: the first few), destroy it; write what it saw to ``rank<r>.json``."""
     if not torch.cuda.is_available():
@@ -296,7 +305,18 @@ def lane_main(rank: int, ports: list[int], out_dir: str) -> None:
             if rank >= world_size:
                 report["phases"].append(None)
                 continue
-            group = LaneGroup.create(rank, world_size, "127.0.0.1", port, "gloo", GROUP_TIMEOUT_S)
+            # cuda_ipc on CPU: the stand-in device (its waits check the order of records).
+            fake = FakeIpcDevice() if backend == "cuda_ipc" and DEVICE.type == "cpu" else None
+            group = LaneGroup.create(
+                rank,
+                world_size,
+                "127.0.0.1",
+                port,
+                backend,
+                GROUP_TIMEOUT_S,
+                device=DEVICE if backend == "cuda_ipc" else None,
+                exchange_device=fake,
+            )
             phase = {
                 "world_size": world_size,
                 "generation": group.generation,
@@ -319,13 +339,16 @@ def lane_main(rank: int, ports: list[int], out_dir: str) -> None:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
-@pytest.fixture(scope="module")
-def lane_reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """Spawn the lanes once for the module; their reports, one per rank."""
+@pytest.fixture(scope="module", params=["gloo", "cuda_ipc"])
+def lane_reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Spawn the lanes once per backend; their reports, one per rank."""
     out = tmp_path_factory.mktemp("lanes")
     ports = [free_port() for _ in PHASES]
-    mp.spawn(lane_main, args=(ports, str(out)), nprocs=MAX_LANES, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(MAX_LANES)]
+    mp.spawn(lane_main, args=(ports, str(out), request.param), nprocs=MAX_LANES, join=True)
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(MAX_LANES)]
+    for r in reports:
+        r["backend"] = request.param
+    return reports
 
 
 def phase_of(reports: list[dict], index: int) -> list[dict]:
@@ -335,7 +358,7 @@ def phase_of(reports: list[dict], index: int) -> list[dict]:
     return [r["phases"][index] for r in reports if r["phases"][index] is not None]
 
 
-def check_phase(lanes: list[dict], world_size: int) -> None:
+def check_phase(lanes: list[dict], world_size: int, backend: str) -> None:
     assert len(lanes) == world_size
     failures = [
         f"lane {rank} {res['id']}: {err}"
@@ -345,7 +368,7 @@ def check_phase(lanes: list[dict], world_size: int) -> None:
     ]
     assert not failures, "\n".join(failures[:20])
     assert len({lane["generation"] for lane in lanes}) == 1  # every lane joined the same group
-    assert all(lane["backend"] == "gloo" and not lane["alive_after_destroy"] for lane in lanes)
+    assert all(lane["backend"] == backend and not lane["alive_after_destroy"] for lane in lanes)
     assert all(lane["link"] == lanes[0]["link"] for lane in lanes)  # agreed link numbers
     # The wait clock counts the time spent waiting for a late lane, and only that.
     waits = [lane["slow_lane_wait_s"] for lane in lanes]
@@ -368,6 +391,8 @@ def check_phase(lanes: list[dict], world_size: int) -> None:
                 assert mode == "pass_q", cid
         assert any(lane[cid]["bytes"] > 0 for lane in by_id), cid
         assert all(lane[cid]["wait_s"] > 0 for lane in by_id), cid  # every lane exchanged
+        if backend == "cuda_ipc":  # what the attention counts is what the exchange read
+            assert all(lane[cid]["bytes_read"] == lane[cid]["bytes"] for lane in by_id), cid
 
 
 # --- tests ---
@@ -388,7 +413,7 @@ def test_world_size_1_in_process() -> None:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_lanes_match_single_device(world_size: int, lane_reports: list[dict]) -> None:
     lanes = phase_of(lane_reports, PHASES.index(world_size))
-    check_phase(lanes, world_size)
+    check_phase(lanes, world_size, lane_reports[0]["backend"])
     by_id = [{res["id"]: res for res in lane["results"]} for lane in lanes]
     # a tiny request: the lanes that own none of its tokens still took part
     assert any(lane["tiny/ps16/pass_q"]["n"] == 0 for lane in by_id)
@@ -396,7 +421,7 @@ def test_lanes_match_single_device(world_size: int, lane_reports: list[dict]) ->
 
 def test_group_rebuilt_in_the_same_processes(lane_reports: list[dict]) -> None:
     first, rebuilt = phase_of(lane_reports, 0), phase_of(lane_reports, len(PHASES) - 1)
-    check_phase(rebuilt, PHASES[-1])
+    check_phase(rebuilt, PHASES[-1], lane_reports[0]["backend"])
     assert len(rebuilt[0]["results"]) == 4
     generations = {phase_of(lane_reports, i)[0]["generation"] for i in range(len(PHASES))}
     assert len(generations) == len(PHASES)  # each incarnation has its own id
@@ -497,9 +522,12 @@ def test_exchange_costs_follow_the_model() -> None:
 
 
 def test_choose_backend() -> None:
-    assert choose_backend(["cuda:0", "cuda:1"]) == "nccl"
-    assert choose_backend(["n1/cuda:0", "n2/cuda:0"]) == "nccl"
-    assert choose_backend(["cuda:0", "cuda:0"]) == "gloo"  # two lanes on one GPU
+    # CUDA lanes of one node share device memory, on one GPU or several
+    assert choose_backend(["cuda:0", "cuda:1"]) == "cuda_ipc"
+    assert choose_backend(["cuda:0", "cuda:0"]) == "cuda_ipc"  # two lanes on one GPU
+    assert choose_backend(["n1/cuda:0", "n1/cuda:0", "n1/cuda:1"]) == "cuda_ipc"
+    assert choose_backend(["n1/cuda:0", "n2/cuda:0"]) == "nccl"  # several nodes
+    assert choose_backend(["n1/cuda:0", "n1/cuda:0", "n2/cuda:0"]) == "gloo"
     assert choose_backend(["cpu", "cpu"]) == "gloo"
     assert choose_backend(["cuda:0", "cpu"]) == "gloo"
     with pytest.raises(ValueError, match="empty"):

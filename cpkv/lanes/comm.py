@@ -7,9 +7,13 @@ that store. A lane that restarts forces the whole group to be rebuilt: every mem
 in the same process. Each incarnation gets a ``generation`` id that rank 0 draws and every
 member reads from the store, so members can check they joined the same group.
 
-Backends: NCCL when every lane has its own CUDA device; gloo otherwise (CPU lanes, and lanes
-sharing one GPU, which NCCL refuses). Gloo cannot gather CUDA tensors, so with gloo they are
-staged through host memory (and back).
+Backends (:func:`choose_backend`): ``cuda_ipc`` when every lane has a CUDA device and all are on
+one node, packed on one GPU or not: the row collectives go through buffers the lanes share by
+CUDA IPC (:class:`cpkv.lanes.ipc.IpcExchange`; no host copy), with a gloo group beside it for
+barriers. NCCL for CUDA lanes on several nodes; gloo for CPU lanes, which stages CUDA tensors
+through host memory. A ``cuda_ipc`` group whose lanes cannot map each other's memory (GPUs not
+visible to each other, no peer access) agrees on a fallback when it is built: an NCCL group
+when the lanes' GPUs differ, else gloo's staging.
 
 Loopback: when ``host`` is a loopback address, ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` /
 ``TP_SOCKET_IFNAME`` are set to the loopback interface (unless already set), so the
@@ -21,19 +25,27 @@ from __future__ import annotations
 
 import inspect
 import ipaddress
+import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cpkv.lanes.clock import StreamClock
+from cpkv.lanes.ipc import ExchangeStats, IpcExchange
 
-__all__ = ["LaneGroup", "choose_backend", "free_port"]
+__all__ = ["BACKENDS", "LaneGroup", "choose_backend", "free_port"]
+
+logger = logging.getLogger("cpkv.comm")
+
+#: Backends :meth:`LaneGroup.create` takes.
+BACKENDS = ("gloo", "nccl", "cuda_ipc")
 
 _GENERATION_KEY = "cpkv/lane_group/generation"
 _IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
@@ -67,11 +79,14 @@ def choose_backend(device_ids_per_lane: Sequence[str]) -> str:
             ``"<node>/cuda:0"``. Ids must be globally meaningful: inside a Ray actor
             ``"cuda:0"`` is the actor's first *visible* GPU, so pass the physical id or UUID.
             An id whose device part is ``"cpu"`` or starts with ``"cpu:"`` is a CPU lane; any
-            other id is a CUDA device.
+            other id is a CUDA device. The part before the last ``"/"`` names the node; ids
+            without one are on this node.
 
     Returns:
-        ``"nccl"`` when every lane has a CUDA device and no two lanes share one, else
-        ``"gloo"`` (CPU lanes; lanes packed on one GPU, which NCCL refuses).
+        ``"gloo"`` when any lane is on the CPU; ``"cuda_ipc"`` when every lane has a CUDA
+        device and all are on one node (lanes packed on one GPU, which NCCL refuses, or on
+        several GPUs of the node); ``"nccl"`` for CUDA lanes on several nodes. Lanes that share
+        a GPU across nodes cannot happen; if ids say so, ``"gloo"``.
 
     Raises:
         ValueError: no lanes, or an empty id.
@@ -86,9 +101,12 @@ def choose_backend(device_ids_per_lane: Sequence[str]) -> str:
         dev = d.rsplit("/", 1)[-1].lower()
         return dev == "cpu" or dev.startswith("cpu:")
 
-    if any(is_cpu(d) for d in ids) or len(set(ids)) != len(ids):
+    if any(is_cpu(d) for d in ids):
         return "gloo"
-    return "nccl"
+    nodes = {d.rsplit("/", 1)[0] if "/" in d else "" for d in ids}
+    if len(nodes) == 1:
+        return "cuda_ipc"
+    return "nccl" if len(set(ids)) == len(ids) else "gloo"
 
 
 def _is_loopback(host: str) -> bool:
@@ -126,9 +144,11 @@ class LaneGroup:
     Attributes:
         rank: this lane.
         world_size: number of lanes.
-        backend: ``"gloo"``, ``"nccl"``, or ``"none"`` (world size 1).
+        backend: ``"gloo"``, ``"nccl"``, ``"cuda_ipc"``, or ``"none"`` (world size 1). A
+            ``cuda_ipc`` group that fell back says what it runs (``"nccl"`` or ``"gloo"``).
         generation: id of this incarnation, equal on every member.
         device: where the probe tensors of :meth:`measure` live (and NCCL's staging target).
+        exchange: the device exchange of a ``cuda_ipc`` group, else ``None``.
     """
 
     def __init__(
@@ -139,6 +159,8 @@ class LaneGroup:
         generation: str,
         device: torch.device,
         store: dist.Store | None,
+        exchange: IpcExchange | None = None,
+        process_group: Any = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -149,6 +171,8 @@ class LaneGroup:
         self._alive = True
         self._link: dict[str, float] | None = None
         self._wait = StreamClock()
+        self.exchange = exchange
+        self._pg = process_group  # None: the default group
 
     @classmethod
     def create(
@@ -161,6 +185,7 @@ class LaneGroup:
         timeout_s: float = 60.0,
         *,
         device: str | torch.device | None = None,
+        exchange_device: Any = None,
     ) -> LaneGroup:
         """Join (rank 0: serve) the rendezvous at ``host:port`` and build the group.
 
@@ -173,9 +198,14 @@ class LaneGroup:
             host: address of rank 0's store (``127.0.0.1`` for a single machine).
             port: the store's port (rank 0 binds it; use :func:`free_port`, a fresh one for
                 every rebuild). Ignored for world size 1.
-            backend: ``"gloo"`` or ``"nccl"`` (see :func:`choose_backend`).
-            timeout_s: rendezvous and collective timeout.
-            device: device of the probe tensors; default ``cuda`` (current) for NCCL, else CPU.
+            backend: ``"gloo"``, ``"nccl"`` or ``"cuda_ipc"`` (see :func:`choose_backend`).
+            timeout_s: rendezvous and collective timeout (also how long a ``cuda_ipc`` lane waits
+                for a peer's exchange before failing the step).
+            device: device of the probe tensors; default ``cuda`` (current) for NCCL and
+                ``cuda_ipc``, else CPU.
+            exchange_device: ``cuda_ipc`` only: the exchange's device adaptor (default
+                :class:`~cpkv.lanes.ipc_device.CudaIpcDevice` on ``device``; tests pass
+                :class:`~cpkv.lanes.ipc_device.FakeIpcDevice` to run it on CPU).
 
         Returns:
             The group.
@@ -189,12 +219,15 @@ class LaneGroup:
             raise ValueError(f"world_size={world_size} must be >= 1")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend={backend!r} must be 'gloo' or 'nccl'")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         if device is None:
-            device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+            on_gpu = backend == "nccl" or (backend == "cuda_ipc" and exchange_device is None)
+            device = torch.device("cuda") if on_gpu else torch.device("cpu")
+        if exchange_device is not None:
+            device = exchange_device.device
         device = torch.device(device)
         if world_size == 1:
             return cls(0, 1, "none", uuid.uuid4().hex, device, None)
@@ -214,6 +247,10 @@ class LaneGroup:
         if rank == 0:
             store.set(_GENERATION_KEY, uuid.uuid4().hex)
         generation = store.get(_GENERATION_KEY).decode()
+        if backend == "cuda_ipc":
+            return cls._create_ipc(
+                rank, world_size, store, generation, device, timeout_s, exchange_device
+            )
         kwargs = {}
         if (
             backend == "nccl"
@@ -230,6 +267,54 @@ class LaneGroup:
         )
         return cls(rank, world_size, backend, generation, device, store)
 
+    @classmethod
+    def _create_ipc(
+        cls,
+        rank: int,
+        world_size: int,
+        store: dist.Store,
+        generation: str,
+        device: torch.device,
+        timeout_s: float,
+        adaptor: Any,
+    ) -> LaneGroup:
+        """The ``cuda_ipc`` group: gloo beside a device exchange, or the agreed fallback."""
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+        prefix = f"cpkv/ipc/{generation}"
+        if adaptor is None:
+            from cpkv.lanes.ipc_device import CudaIpcDevice
+
+            adaptor = CudaIpcDevice(device)
+        device = adaptor.device
+        store.set(f"{prefix}/uuid/{rank}", adaptor.uuid())
+        exchange, why = None, ""
+        try:
+            exchange = IpcExchange(rank, world_size, store, prefix, adaptor, timeout_s)
+        except Exception as e:  # any failure to map a peer: the group falls back
+            why = f"{type(e).__name__}: {e}"
+        # NOTE: every lane must take the same road, so they agree (the worst wins).
+        ok = torch.tensor([1 if exchange is not None else 0])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if int(ok) == 1:
+            return cls(rank, world_size, "cuda_ipc", generation, device, store, exchange)
+        if exchange is not None:
+            exchange.close()
+        uuids = [store.get(f"{prefix}/uuid/{r}").decode() for r in range(world_size)]
+        distinct = device.type == "cuda" and len(set(uuids)) == world_size
+        logger.warning(
+            "lane %d: the lanes cannot share device memory (%s); falling back to %s",
+            rank,
+            why or "a peer could not",
+            "an NCCL group" if distinct else "gloo through host memory",
+        )
+        if distinct:
+            pg = dist.new_group(backend="nccl")
+            return cls(rank, world_size, "nccl", generation, device, store, None, pg)
+        return cls(rank, world_size, "gloo", generation, device, store)
+
     @property
     def alive(self) -> bool:
         """False once :meth:`destroy` ran."""
@@ -240,6 +325,8 @@ class LaneGroup:
         if not self._alive:
             return
         self._alive = False
+        if self.exchange is not None:
+            self.exchange.close()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
         self._store = None  # rank 0's store server closes with the last reference
@@ -274,7 +361,7 @@ class LaneGroup:
         """Wait for every member (no-op at world size 1)."""
         self._check_alive()
         if self.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self._pg)
 
     def all_gather_rows(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """Gather a variable number of rows from every lane, rank-major.
@@ -303,13 +390,16 @@ class LaneGroup:
         top = max(counts)
         if top == 0:  # every lane knows counts: all skip together
             return x.new_empty((0, *x.shape[1:]))
+        if self.exchange is not None:
+            with self._wait.timed(x.device):
+                return self.exchange.all_gather_rows(x, counts)
         with self._wait.timed(x.device):
             where = self._comm_device(x)
             buf = x.new_zeros((top, *x.shape[1:]), device=where)
             buf[: x.shape[0]] = x
             out = buf.new_empty((self.world_size * top, *x.shape[1:]))
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(out, buf)
+            gather(out, buf, group=self._pg)
             out = out.view(self.world_size, top, *x.shape[1:])
             if all(c == top for c in counts):
                 rows = out.reshape(-1, *x.shape[1:])
@@ -353,6 +443,9 @@ class LaneGroup:
                 )
             return [send[0]]
         device = send[0].device
+        if self.exchange is not None:
+            with self._wait.timed(device):
+                return self.exchange.all_to_all_rows(send, recv_counts)
         with self._wait.timed(device):
             where = self._comm_device(send[0])
             flat_in = torch.cat([s.to(where) for s in send]).contiguous()
@@ -362,8 +455,14 @@ class LaneGroup:
                 flat_in,
                 output_split_sizes=recv_counts,
                 input_split_sizes=[int(s.shape[0]) for s in send],
+                group=self._pg,
             )
             return list(out.to(device).split(recv_counts))
+
+    def take_exchange_stats(self) -> ExchangeStats:
+        """What the device exchange moved since the last call (then reset); zeros for the
+        other backends."""
+        return ExchangeStats() if self.exchange is None else self.exchange.take_stats()
 
     def take_wait_seconds(self) -> float:
         """Seconds this lane spent in row collectives since the last call (then reset).

@@ -74,7 +74,7 @@ class LaneWorker:
             port,
             backend,
             timeout_s,
-            device=self.device if backend == "nccl" else None,
+            device=self.device if backend in ("nccl", "cuda_ipc") else None,
         )
         self.group_id = group_id
         self._last_step = -1

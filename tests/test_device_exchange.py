@@ -1,0 +1,302 @@
+"""The device exchange's bookkeeping on CPU: buffer sizing and growth, handle exchange, event
+order, the host board, rebuild after a restart, a dead peer, and the fallback.
+
+The multi-lane tests spawn lanes (torch.multiprocessing, no Ray) that build ``cuda_ipc`` lane
+groups on :class:`cpkv.lanes.ipc_device.FakeIpcDevice`: buffers and events are ``/dev/shm``
+files, and every wait checks that it sees exactly the record the protocol meant (the exchange
+that recorded it), so an ordering bug raises instead of passing by luck. Results are checked
+against what each lane's rows must be (deterministic functions of lane and exchange), not
+against the exchange itself. With a GPU the same groups run on CUDA IPC in
+``tests/test_cp_attention.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from cpkv.lanes.comm import LaneGroup, free_port
+from cpkv.lanes.ipc_board import Board, BoardLayout, PeerGoneError, board_path
+from cpkv.lanes.ipc_book import (
+    ALIGN,
+    GROW_QUANTUM,
+    SlotBook,
+    aligned,
+    grown_capacity,
+    to_all_layout,
+)
+from cpkv.lanes.ipc_device import EventOrderError, FakeIpcDevice
+
+TIMEOUT_S = 30.0
+
+# --- bookkeeping without processes ---
+
+
+def test_grown_capacity_doubles_and_rounds() -> None:
+    assert grown_capacity(0, 0) == 0 and grown_capacity(1, 0) == GROW_QUANTUM
+    assert grown_capacity(10, GROW_QUANTUM) == GROW_QUANTUM  # fits: unchanged
+    assert grown_capacity(GROW_QUANTUM + 1, GROW_QUANTUM) == 2 * GROW_QUANTUM
+    assert grown_capacity(5 * GROW_QUANTUM + 1, GROW_QUANTUM) == 6 * GROW_QUANTUM
+    assert grown_capacity(3 * GROW_QUANTUM, 2 * GROW_QUANTUM) == 4 * GROW_QUANTUM  # doubling
+    with pytest.raises(ValueError, match=">= 0"):
+        grown_capacity(-1, 0)
+
+
+def test_slot_book_turns_alternate_slots_and_wait_two_back() -> None:
+    book = SlotBook(minimum=1024, initial=100)
+    assert (book.capacity, book.version) == (GROW_QUANTUM, 1)
+    turns = [book.begin(10) for _ in range(5)]
+    assert [t.seq for t in turns] == [1, 2, 3, 4, 5]
+    assert [t.slot for t in turns] == [1, 0, 1, 0, 1]
+    # A slot is rewritten only after every peer's consumed record of two exchanges back.
+    assert [t.wait_consumed_tag for t in turns] == [None, None, 1, 2, 3]
+    assert all(t.grow_to is None and t.version == 1 for t in turns)
+    grow = book.begin(GROW_QUANTUM + 1)
+    assert grow.grow_to == 2 * GROW_QUANTUM and grow.version == 2 and grow.seq == 6
+    assert grow.offset(book.capacity) == 0 and book.begin(1).offset(book.capacity) == book.capacity
+    assert book.begin(2 * GROW_QUANTUM).grow_to is None  # fits now
+
+
+def test_to_all_layout_aligns_parts_and_skips_self() -> None:
+    starts, lengths, total = to_all_layout([10, 300, 7, 0], rank=1)
+    assert lengths == [10, 0, 7, 0]
+    assert starts == [0, 0, ALIGN, 2 * ALIGN]
+    assert total == 2 * ALIGN and all(s % ALIGN == 0 for s in starts)
+    assert aligned(0) == 0 and aligned(1) == ALIGN and aligned(ALIGN) == ALIGN
+    with pytest.raises(ValueError, match="negative"):
+        to_all_layout([1, -1], 0)
+
+
+def test_board_layout_is_line_aligned() -> None:
+    for ws in (2, 3, 4, 8):
+        lay = BoardLayout(ws)
+        assert lay.record_words % 8 == 0 and lay.record_words >= 3 + 2 * lay.slot_words
+        assert lay.nbytes == ws * lay.record_words * 8
+
+
+def test_board_post_and_wait(tmp_path: Path) -> None:
+    path = str(tmp_path / "board")
+    b0 = Board(path, 2, 0, create=True)
+    b1 = Board(path, 2, 1)
+    b1.post(1, 2, 3, [0, 256], [100, 0])
+    b0.wait_posted(1, 1, 1.0)
+    assert b0.slot(1, 1, 0) == (2, 3, 0, 100)
+    assert b0.pid(1) == os.getpid()
+    t0 = time.perf_counter()
+    with pytest.raises(PeerGoneError, match="did not post exchange 2 within"):
+        b0.wait_posted(1, 2, 0.2)
+    assert time.perf_counter() - t0 < 2.0
+    b1.leave()  # posted stays readable; what it never posted fails at once
+    b0.wait_posted(1, 1, 1.0)
+    with pytest.raises(PeerGoneError, match="left the group before posting exchange 2"):
+        b0.wait_posted(1, 2, 60.0)
+    b1.unlink()
+    b1.close()
+    b0.close()
+
+
+def test_board_sees_a_dead_peer_at_once(tmp_path: Path) -> None:
+    path = str(tmp_path / "board")
+    b0 = Board(path, 2, 0, create=True)
+    proc = mp.get_context("spawn").Process(target=_open_board_and_exit, args=(path,))
+    proc.start()
+    proc.join()
+    t0 = time.perf_counter()
+    with pytest.raises(PeerGoneError, match="died before posting exchange 1"):
+        b0.wait_posted(1, 1, 60.0)
+    assert time.perf_counter() - t0 < 2.0  # the liveness check, not the timeout
+    b0.close()
+
+
+def _open_board_and_exit(path: str) -> None:
+    Board(path, 2, 1)
+
+
+def test_fake_event_rejects_a_stale_record() -> None:
+    dev = FakeIpcDevice()
+    ev = dev.new_event()
+    dev.record(ev, 3)
+    dev.wait(ev, 3)
+    with pytest.raises(EventOrderError, match="exchange 4"):
+        dev.wait(ev, 4)
+    dev.close()
+
+
+# --- lanes in processes ---
+
+
+def rows_of(lane: int, step: int, n: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """What lane ``lane`` sends in exchange ``step``: ``[n, width]``, distinct everywhere."""
+    base = (lane * 1000 + step) * 100000
+    return (torch.arange(n * width, dtype=torch.float64) + base).reshape(n, width).to(dtype)
+
+
+def counts_of(step: int, ws: int) -> list[int]:
+    """Rows per lane in exchange ``step``: some zero, one step large enough to regrow."""
+    if step == 5:
+        return [70000 + 13 * r for r in range(ws)]  # > 1 MiB at width 4 fp32: growth
+    rng = np.random.default_rng(step)
+    return [int(c) for c in rng.integers(0, 9, ws)]
+
+
+def run_exchanges(group: LaneGroup, steps: int) -> list[str]:
+    """Alternate all-gathers and all-to-alls of known rows; the mismatches seen."""
+    ws, me = group.world_size, group.rank
+    errors = []
+    for step in range(steps):
+        dtype = (torch.float32, torch.bfloat16, torch.int64)[step % 3]
+        width = 4 if step % 3 != 2 else 3
+        counts = counts_of(step, ws)
+        x = rows_of(me, step, counts[me], width, dtype)
+        got = group.all_gather_rows(x, counts)
+        want = torch.cat([rows_of(r, step, counts[r], width, dtype) for r in range(ws)])
+        if not torch.equal(got, want):
+            errors.append(f"gather {step}: differs")
+
+        # all-to-all: lane r sends (r + q + step) % 5 rows to lane q.
+        def n(r: int, q: int, step: int = step) -> int:
+            return 70000 if step == 7 and r != q else (r + q + step) % 5
+
+        send = [rows_of(me * 10 + q, step, n(me, q), width, dtype) for q in range(ws)]
+        recv = group.all_to_all_rows(send, [n(r, me) for r in range(ws)])
+        for r in range(ws):
+            if not torch.equal(recv[r], rows_of(r * 10 + me, step, n(r, me), width, dtype)):
+                errors.append(f"all-to-all {step}: from lane {r} differs")
+    return errors
+
+
+class FailingOpen(FakeIpcDevice):
+    """A stand-in whose peer mappings fail (as another GPU not visible to this process)."""
+
+    __slots__ = ()
+
+    def open(self, desc: dict) -> torch.Tensor:
+        raise RuntimeError("cannot map this peer")
+
+
+def lane_main(rank: int, ws: int, ports: list[int], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    report: dict = {"rank": rank, "fatal": None, "phases": []}
+    try:
+        # Phase 0 and 1: the same processes build a group, use it, destroy it, build again
+        # (what a lane restart forces), on fresh handles.
+        for phase in range(2):
+            dev = FakeIpcDevice()
+            group = LaneGroup.create(
+                rank, ws, "127.0.0.1", ports[phase], "cuda_ipc", TIMEOUT_S, exchange_device=dev
+            )
+            errors = run_exchanges(group, 9)
+            stats = group.take_exchange_stats()
+            link = group.measure()
+            report["phases"].append(
+                {
+                    "backend": group.backend,
+                    "generation": group.generation,
+                    "errors": errors,
+                    "exchanges": stats.exchanges,
+                    "bytes_read": stats.bytes_read,
+                    "regrowths": stats.regrowths,
+                    "records": len(dev.records),
+                    "waits": len(dev.waits),
+                    "link": link,
+                }
+            )
+            group.destroy()
+            group.destroy()
+        # Phase 2: lane 1 cannot map its peers: every lane falls back to gloo together.
+        dev = FailingOpen() if rank == 1 else FakeIpcDevice()
+        group = LaneGroup.create(
+            rank, ws, "127.0.0.1", ports[2], "cuda_ipc", TIMEOUT_S, exchange_device=dev
+        )
+        report["phases"].append(
+            {"backend": group.backend, "errors": run_exchanges(group, 4), "exchanges": 0}
+        )
+        group.destroy()
+        # Phase 3: the last lane dies after 2 exchanges; the others fail the third fast.
+        group = LaneGroup.create(
+            rank, ws, "127.0.0.1", ports[3], "cuda_ipc", TIMEOUT_S, exchange_device=FakeIpcDevice()
+        )
+        ones = torch.ones(2, 3)
+        for _ in range(2):
+            group.all_gather_rows(ones, [2] * ws)
+        if rank == ws - 1:
+            Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+            os._exit(0)  # no teardown, as a killed lane
+        t0 = time.perf_counter()
+        try:
+            group.all_gather_rows(ones, [2] * ws)
+            report["dead_peer"] = "no error"
+        except PeerGoneError as e:
+            report["dead_peer"] = str(e)
+        report["dead_peer_s"] = time.perf_counter() - t0
+        group.destroy()
+    except Exception:
+        report["fatal"] = traceback.format_exc()
+        raise
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+WS = 3
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ipc")
+    ports = [free_port() for _ in range(4)]
+    before = set(os.listdir(os.path.dirname(board_path("x"))))
+    mp.spawn(lane_main, args=(WS, ports, str(out)), nprocs=WS, join=True)
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WS)]
+    fatal = [r["fatal"] for r in reports if r["fatal"]]
+    assert not fatal, "\n".join(fatal)
+    new = set(os.listdir(os.path.dirname(board_path("x")))) - before
+    reports[0]["left_behind"] = sorted(f for f in new if f.startswith("cpkv-board-"))
+    for f in new:  # the killed lane's stand-in buffers (a real GPU frees them with the process)
+        if f.startswith("cpkv-fake-"):
+            os.unlink(os.path.join(os.path.dirname(board_path("x")), f))
+    return reports
+
+
+def test_exchanges_deliver_every_lanes_rows(reports: list[dict]) -> None:
+    for phase in (0, 1):
+        lanes = [r["phases"][phase] for r in reports]
+        assert all(p["backend"] == "cuda_ipc" for p in lanes)
+        assert all(p["errors"] == [] for p in lanes), [p["errors"] for p in lanes]
+        # 9 gathers + 9 all-to-alls; the 1 MiB first slot grows for exchanges 11 and 15 (the
+        # large gather and all-to-all), at least once per lane.
+        assert all(p["exchanges"] == 18 for p in lanes)
+        assert all(p["regrowths"] >= 1 for p in lanes)
+        assert all(p["bytes_read"] > 0 for p in lanes)
+        # Every exchange records written + consumed; the fake checked every wait's tag.
+        assert all(p["records"] >= 2 * 18 for p in lanes)
+        assert all(p["waits"] > 0 for p in lanes)
+        assert all(p["link"]["bytes_per_s"] > 0 for p in lanes)
+        assert len({p["generation"] for p in lanes}) == 1
+
+
+def test_rebuild_uses_a_new_generation(reports: list[dict]) -> None:
+    assert reports[0]["phases"][0]["generation"] != reports[0]["phases"][1]["generation"]
+
+
+def test_a_lane_that_cannot_map_makes_all_fall_back(reports: list[dict]) -> None:
+    lanes = [r["phases"][2] for r in reports]
+    assert [p["backend"] for p in lanes] == ["gloo"] * WS
+    assert all(p["errors"] == [] for p in lanes)
+
+
+def test_a_dead_peer_fails_the_exchange_fast(reports: list[dict]) -> None:
+    for r in reports[:-1]:
+        assert "died before posting exchange 3" in r["dead_peer"], r["dead_peer"]
+        assert r["dead_peer_s"] < 5.0, r["dead_peer_s"]  # the timeout is 30 s
+
+
+def test_no_board_left_behind(reports: list[dict]) -> None:
+    assert reports[0]["left_behind"] == []
