@@ -30,7 +30,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from cpkv.lanes.attention import MODES, CPAttention, exchange_costs
+from cpkv.lanes.attention import MODES, CPAttention, exchange_costs, lane_exchange_bytes
 from cpkv.lanes.comm import LaneGroup, choose_backend, free_port
 from cpkv.lanes.ipc_device import FakeIpcDevice
 from cpkv.lanes.step import StepPlan, StepRequest
@@ -242,6 +242,12 @@ def run_case(group: LaneGroup, case: Case) -> dict:
         problem = mismatch(got, exp, t, out_dtype if what == "output" else dtype)
         if problem:
             errors.append(f"{what}: {problem}")
+    elt = torch.finfo(dtype).bits // 8
+    planned = lane_exchange_bytes(plan, attn.last_mode, HQ, HKV, D, elt, elt)
+    if planned != attn.exchange_bytes:
+        errors.append(
+            f"exchange bytes: the plan says {planned}, the call counted {attn.exchange_bytes}"
+        )
     for b in range(len(case.lens)):
         if int(plan.last_token_owner[b]) == lane:
             i = int(plan.last_token_index[b])

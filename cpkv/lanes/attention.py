@@ -49,7 +49,7 @@ from cpkv.lanes.comm import LaneGroup
 from cpkv.lanes.step import PageTable, QExchange, StepPlan
 from cpkv.steps import MODES  # one list of modes for the client, coordinator and lanes
 
-__all__ = ["MODES", "CPAttention", "exchange_costs"]
+__all__ = ["MODES", "CPAttention", "exchange_costs", "lane_exchange_bytes"]
 
 
 def _exchange_cost(
@@ -100,6 +100,45 @@ def exchange_costs(
         top_h = int(plan.history.counts.max())
         pass_kv += _exchange_cost(2, top_h, q_row + partial_row, cp, latency_s, bytes_per_s)[0]
     return {"pass_q": pass_q, "pass_kv": pass_kv}
+
+
+def lane_exchange_bytes(
+    plan: StepPlan,
+    mode: str,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_bytes: int,
+    kv_bytes: int,
+) -> int:
+    """Payload bytes one lane receives from the others in one :meth:`CPAttention.forward` (one
+    layer) of ``mode``: what that call counts as ``exchange_bytes``, from the plan alone.
+
+    Args:
+        plan: the step's plan for this lane.
+        mode: the mode that ran (``pass_q`` or ``pass_kv``; not ``auto``).
+        num_q_heads, num_kv_heads, head_dim: ``Hq``, ``Hkv``, ``D``.
+        q_bytes, kv_bytes: element sizes of the queries and of the new K/V.
+
+    Returns:
+        Bytes (0 at ``cp_size == 1``). A step of ``L`` layers moves ``L`` times this per lane.
+    """
+    if mode not in ("pass_q", "pass_kv"):
+        raise ValueError(f"mode={mode!r} must be the mode that ran: 'pass_q' or 'pass_kv'")
+    cp, me = plan.cp_size, plan.lane
+    if cp == 1:
+        return 0
+    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+
+    def q_round(x: QExchange) -> int:
+        m = int(x.counts[me])
+        return (int(x.counts.sum()) - m) * hq * d * q_bytes + (cp - 1) * m * hq * (d + 1) * 4
+
+    if mode == "pass_q":
+        return q_round(plan.pass_q)
+    counts = plan.lane_counts
+    total = (int(counts.sum()) - int(counts[me])) * 2 * hkv * d * kv_bytes
+    return total + (q_round(plan.history) if plan.history is not None else 0)
 
 
 @dataclass(slots=True)
