@@ -13,6 +13,15 @@ lane's compute time. The split is the owner plan's: ``zigzag`` (lane ``r`` owns 
 and ``2 cp - 1 - r`` of ``2 cp``, balancing causal attention) or ``contiguous`` (lane ``r`` owns
 segments ``2r`` and ``2r + 1``, the same pages cut in one range a lane): the ablation that
 shows why the plan zigzags. cp 1 has no split.
+
+Per point it also reports what CP buys: the overhead against cp 1 at the same context on the same
+devices, each lane's own work (step less time in the lanes' collectives) and the critical path
+(the largest), the bytes a step exchanges (from the plan, as the attention counts them) and the
+lanes' time in the exchange; and a **projection**, never a measurement, of one GPU per lane:
+the critical path plus the busiest lane's exchange bytes at ``link_gb_per_s``, against cp 1.
+Lanes packed on one GPU time-slice it, so their own work includes the others' slices; a second
+projection takes each lane's work alone from cp 1's measured split (attention by the plan's
+causal work, the rest by tokens).
 """
 
 from __future__ import annotations
@@ -258,10 +267,25 @@ PREFILL_FIELDS = [
     "cpu_imbalance",
     "mode",
     "fallback",
+    "overhead_vs_cp1",
+    "critical_path_ms",
+    "exchange_bytes",
+    "exchange_bytes_max_lane",
+    "exchange_ms",
+    "link_gb_per_s",
+    "projected_ms",
+    "projected_speedup",
+    "critical_path_est_ms",
+    "projected_est_ms",
+    "projected_est_speedup",
     "device",
     "model",
     "dtype",
 ]
+
+#: NVLink-class link for the one-GPU-per-lane projection: H100/H200 NVLink 4 moves 450 GB/s
+#: each way (900 GB/s both); GB/s are bytes.
+DEFAULT_LINK_GB_PER_S = 450.0
 
 #: Random-weight models ``--model`` names instead of a checkpoint directory.
 MODEL_PRESETS = ("small", "tiny", "llama-3.2-1b")
@@ -288,6 +312,7 @@ class PrefillBenchConfig:
         out_dir: where ``bench_prefill.{json,csv,png}`` go.
         progress, plot: a progress bar; the PNG.
         seed: weights' seed (presets) and prompts' seed.
+        link_gb_per_s: the link of the one-GPU-per-lane projection (GB/s, bytes, one way).
     """
 
     lanes: list[int] = field(default_factory=lambda: [1, 2, 4])
@@ -306,6 +331,7 @@ class PrefillBenchConfig:
     progress: bool = True
     plot: bool = True
     seed: int = 0
+    link_gb_per_s: float = DEFAULT_LINK_GB_PER_S
 
 
 def _model_spec(cfg: PrefillBenchConfig):
@@ -360,6 +386,91 @@ def causal_work_by_lane(alloc, cp_size: int) -> np.ndarray:
     return np.bincount(lanes, weights=positions + 1, minlength=cp_size)
 
 
+def step_exchange_bytes(alloc, cp_size: int, config, mode: str) -> list[int]:
+    """Bytes each lane receives from the others in one fresh prefill step of ``mode``, all
+    layers: :func:`cpkv.lanes.attention.lane_exchange_bytes` of every lane's plan.
+
+    Args:
+        alloc: the step's :class:`cpkv.allocator.ExtendAllocation` (no cached prefix).
+        cp_size: lanes.
+        config: the model's :class:`cpkv.models.ModelConfig`.
+        mode: the mode the step ran.
+
+    Returns:
+        One count per lane.
+
+    Raises:
+        ValueError: the step had a cached prefix (its pages are not in the allocation).
+    """
+    from cpkv.lanes.attention import lane_exchange_bytes
+    from cpkv.lanes.step import StepPlan, StepRequest
+
+    if alloc.prefix_len:
+        raise ValueError("step_exchange_bytes needs a step without a cached prefix")
+    ps = alloc.page_size
+    pages = (np.asarray(alloc.out_cache_loc)[::ps] // ps).astype(np.int32)
+    elt = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
+    req = [StepRequest(0, alloc.extend_len, pages)]
+    return [
+        config.num_layers
+        * lane_exchange_bytes(
+            StepPlan.build(req, cp_size, ps, lane),
+            mode,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            elt,
+            elt,
+        )
+        for lane in range(cp_size)
+    ]
+
+
+def _tokens_by_lane(alloc, cp_size: int) -> np.ndarray:
+    lanes = (np.asarray(alloc.out_cache_loc) // alloc.page_size) % cp_size
+    return np.bincount(lanes, minlength=cp_size).astype(np.float64)
+
+
+def add_projection(rows: list[dict], link_gb_per_s: float) -> None:
+    """Fill each row's overhead against cp 1 and its one-GPU-per-lane projections, in place.
+
+    A row needs the cp 1 row of its context (same run, same devices); without one the fields
+    stay ``None``. Projected time: critical path + the busiest lane's exchange bytes at
+    ``link_gb_per_s`` (the exchange not overlapped with compute) + cp 1's time outside its lane
+    (client and Ray round trip). ``*_est_*``: the critical
+    path from cp 1's own split, each lane's share of its attention by causal work and of the
+    rest by tokens.
+    """
+    link = link_gb_per_s * 1e9
+    base = {r["context"]: r for r in rows if r["lanes"] == 1}
+    for r in rows:
+        one = base.get(r["context"])
+        r["link_gb_per_s"] = link_gb_per_s
+        r["critical_path_ms"] = max(r["lane_busy_ms"])
+        for key in ("overhead_vs_cp1", "projected_ms", "projected_speedup"):
+            r[key] = None
+        for key in ("critical_path_est_ms", "projected_est_ms", "projected_est_speedup"):
+            r[key] = None
+        if one is None:
+            continue
+        cp1 = one["prefill_ms_p50"]
+        # NOTE: what cp 1's wall time holds outside its lane (client, coordinator, Ray round
+        # trip) is taken as the same at every cp, so cp 1 projects onto itself.
+        fixed = cp1 - one["critical_path_ms"]
+        exchange_ms = r["exchange_bytes_max_lane"] / link * 1e3 + fixed
+        r["overhead_vs_cp1"] = r["prefill_ms_p50"] / cp1
+        r["projected_ms"] = r["critical_path_ms"] + exchange_ms
+        r["projected_speedup"] = cp1 / r["projected_ms"]
+        attn1 = one["lane_attention_ms"][0]
+        rest1 = one["lane_busy_ms"][0] - attn1
+        work = np.asarray(r["work_share"], dtype=np.float64)
+        tokens = np.asarray(r["lane_tokens"], dtype=np.float64)
+        alone = attn1 * work / work.sum() + rest1 * tokens / tokens.sum()
+        r["critical_path_est_ms"] = float(alone.max())
+        r["projected_est_ms"] = r["critical_path_est_ms"] + exchange_ms
+        r["projected_est_speedup"] = cp1 / r["projected_est_ms"]
+
+
 def _max_over_mean(values) -> float:
     arr = np.asarray(values, dtype=np.float64)
     mean = float(arr.mean()) if arr.size else 0.0
@@ -401,6 +512,7 @@ def _prefill_point(cfg: PrefillBenchConfig, spec, cp: int, context: int, split: 
         client.prefill("warm-up", rng.integers(0, vocab, size=context))
         client.free("warm-up", cache=False)
         walls, lane_s, wait_s, cpu_s, work, modes, fallbacks = [], [], [], [], [], [], set()
+        attn_s, tokens, moved = [], [], []
         for i in range(cfg.requests):
             prompt = rng.integers(0, vocab, size=context)
             c0 = _lane_cpu_seconds(pids)
@@ -414,6 +526,9 @@ def _prefill_point(cfg: PrefillBenchConfig, spec, cp: int, context: int, split: 
             if c0 is not None and c1 is not None:
                 cpu_s.append([b - a for a, b in zip(c0, c1, strict=True)])
             work.append(causal_work_by_lane(res.allocation, cp))
+            tokens.append(_tokens_by_lane(res.allocation, cp))
+            attn_s.append(res.lane_attention_seconds)
+            moved.append(step_exchange_bytes(res.allocation, cp, spec.config, res.mode))
             modes.append(res.mode)
             if res.allocation.fallback_reason is not None:
                 fallbacks.add(res.allocation.fallback_reason)
@@ -431,6 +546,8 @@ def _prefill_point(cfg: PrefillBenchConfig, spec, cp: int, context: int, split: 
     share = (share / share.mean()).tolist() if share.mean() > 0 else share.tolist()
     cpu_ms = (np.mean(cpu_s, axis=0) * 1e3).tolist() if cpu_s else []
     p50 = float(np.percentile(wall, 50))
+    wait_ms = np.mean(wait_s, axis=0) * 1e3
+    moved_mean = np.mean(moved, axis=0)
     return {
         "lanes": cp,
         "context": context,
@@ -448,6 +565,12 @@ def _prefill_point(cfg: PrefillBenchConfig, spec, cp: int, context: int, split: 
         "work_imbalance": _max_over_mean(share),
         "lane_cpu_ms": [round(x, 1) for x in cpu_ms],
         "cpu_imbalance": _max_over_mean(cpu_ms) if cpu_ms else None,
+        "lane_attention_ms": [round(x * 1e3, 3) for x in np.mean(attn_s, axis=0)],
+        "lane_wait_ms": [round(float(x), 3) for x in wait_ms],
+        "lane_tokens": [float(x) for x in np.mean(tokens, axis=0)],
+        "exchange_bytes": int(moved_mean.sum()),
+        "exchange_bytes_max_lane": int(moved_mean.max()),
+        "exchange_ms": max(round(float(x), 3) for x in wait_ms),
         "mode": max(set(modes), key=modes.count),
         "fallback": ",".join(sorted(fallbacks)),
         "device": device,
@@ -493,6 +616,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> list[dict]:
 
             ray.shutdown()
         spec.remove()
+    add_projection(rows, cfg.link_gb_per_s)
     os.makedirs(cfg.out_dir, exist_ok=True)
     meta = {
         "config": asdict(cfg),
@@ -507,7 +631,12 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> list[dict]:
             "collectives (PrefillResult.lane_wait_seconds), the lane's own work (lanes packed "
             "on one GPU also wait for each other's kernels there); work_share: causal "
             "attention work per lane from the owner plan, relative to the mean; lane_cpu_ms: "
-            "CPU time of each lane process during the prefill (CPU lanes on this node only)"
+            "CPU time of each lane process during the prefill (CPU lanes on this node only); "
+            "critical_path_ms: the largest own work; exchange_bytes: bytes the lanes receive "
+            "from each other in one step (all layers, from the plan, as CPAttention counts "
+            "them), exchange_ms: the largest time in collectives; projected_*: a PROJECTION, "
+            "not a measurement, of one GPU per lane: critical path (measured; *_est_*: from "
+            "cp 1's split by the plan) plus the busiest lane's bytes at link_gb_per_s"
         ),
     }
     base = os.path.join(cfg.out_dir, "bench_prefill")
@@ -538,6 +667,28 @@ def _print_prefill(rows: list[dict]) -> None:
             f"{r['work_imbalance']:>8.3f} {cpu:>7} {r['mode']:>7}  "
             f"{', '.join(f'{x:.0f}' for x in r['lane_busy_ms'])}"
         )
+    print(
+        f"\nwhat CP buys (measured: overhead, critical path, exchange; PROJECTED, not measured: "
+        f"one GPU per lane at {rows[0]['link_gb_per_s']:g} GB/s)"
+    )
+    print(
+        f"{'lanes':>5} {'context':>7} {'split':>10} {'vs cp1':>7} {'crit ms':>8} "
+        f"{'xchg MB':>8} {'xchg ms':>8} {'proj ms':>8} {'proj x':>7} {'est crit':>8} "
+        f"{'est proj':>8} {'est x':>6}"
+    )
+
+    def f(v, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    for r in rows:
+        print(
+            f"{r['lanes']:>5} {r['context']:>7} {r['split']:>10} "
+            f"{f(r['overhead_vs_cp1'], '.2f'):>7} {r['critical_path_ms']:>8.1f} "
+            f"{r['exchange_bytes'] / 1e6:>8.1f} {r['exchange_ms']:>8.1f} "
+            f"{f(r['projected_ms'], '.1f'):>8} {f(r['projected_speedup'], '.2f'):>7} "
+            f"{f(r['critical_path_est_ms'], '.1f'):>8} {f(r['projected_est_ms'], '.1f'):>8} "
+            f"{f(r['projected_est_speedup'], '.2f'):>6}"
+        )
 
 
 def _plot_prefill(rows: list[dict], path: str) -> None:
@@ -546,7 +697,8 @@ def _plot_prefill(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.4))
+    (ax1, ax2), (ax3, ax4) = axes
     contexts = sorted({r["context"] for r in rows})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, ctx in enumerate(contexts):
@@ -624,6 +776,45 @@ def _plot_prefill(rows: list[dict], path: str) -> None:
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
     ax3.axhline(1.0, color="gray", lw=0.8)
+    _plot_projection(ax4, rows, colors)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_projection(ax, rows: list[dict], colors: list[str]) -> None:
+    """Measured prefill time beside the PROJECTED one-GPU-per-lane time (hatched), per cp."""
+    here = [r for r in rows if r["split"] in ("none", "zigzag")]
+    contexts = sorted({r["context"] for r in here})
+    lanes = sorted({r["lanes"] for r in here})
+    kinds = (
+        ("prefill_ms_p50", "measured", None),
+        ("projected_ms", "projected: measured crit. path", "//"),
+        ("projected_est_ms", "projected: crit. path from cp 1", ".."),
+    )
+    width = 0.8 / (len(contexts) * len(kinds))
+    for i, ctx in enumerate(contexts):
+        by_cp = {r["lanes"]: r for r in here if r["context"] == ctx}
+        for j, (key, what, hatch) in enumerate(kinds):
+            at = (i * len(kinds) + j - (len(contexts) * len(kinds) - 1) / 2) * width
+            xs = [k + at for k, cp in enumerate(lanes) if by_cp.get(cp, {}).get(key)]
+            ys = [by_cp[cp][key] for cp in lanes if by_cp.get(cp, {}).get(key)]
+            ax.bar(
+                xs,
+                ys,
+                width,
+                color=colors[i % len(colors)],
+                alpha=0.9 if hatch is None else 0.35,
+                hatch=hatch,
+                edgecolor="black",
+                label=f"{ctx / 1024:g}k: {what}",
+            )
+    link = rows[0].get("link_gb_per_s")
+    ax.set(
+        xlabel="cp_size (lanes)",
+        ylabel="prefill ms",
+        title=f"measured vs PROJECTED (one GPU per lane, {link:g} GB/s link; not measured)",
+    )
+    ax.set_xticks(range(len(lanes)), [str(x) for x in lanes])
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)

@@ -68,6 +68,34 @@ def test_tiny_prefill_bench_writes_rows_csv_and_plot(quiet_ray, tmp_path, capsys
     if by_split["zigzag"]["lane_cpu_ms"]:  # CPU lanes on this node
         assert math.isfinite(by_split["zigzag"]["cpu_imbalance"])
 
+    # What CP buys: overhead against cp 1 (the same run), the critical path, the exchange, and
+    # the one-GPU-per-lane projection (critical path + busiest lane's bytes at the link rate).
+    one = by_split["none"]
+    assert one["overhead_vs_cp1"] == 1.0 and one["exchange_bytes"] == 0
+    assert one["critical_path_ms"] == max(one["lane_busy_ms"])
+    assert one["projected_ms"] == pytest.approx(one["prefill_ms_p50"])  # cp 1 onto itself
+    fixed = one["prefill_ms_p50"] - one["critical_path_ms"]  # client and Ray round trip
+    link = 450e9
+    for r in (by_split["zigzag"], by_split["contiguous"]):
+        assert r["link_gb_per_s"] == 450.0
+        assert r["overhead_vs_cp1"] == pytest.approx(r["prefill_ms_p50"] / one["prefill_ms_p50"])
+        assert r["critical_path_ms"] == max(r["lane_busy_ms"])
+        # tiny: 3 layers, 6/2 heads of 12, fp32; a fresh prefill takes pass_kv: each lane
+        # receives the other's K/V rows (K and V, 2 heads of 12 fp32), every layer.
+        tokens = np.asarray(r["lane_tokens"])
+        assert tokens.sum() == CONTEXT
+        if r["mode"] == "pass_kv":
+            want = 3 * (CONTEXT - tokens) * 2 * 2 * 12 * 4
+            assert r["exchange_bytes_max_lane"] == want.max()
+            assert r["exchange_bytes"] == want.sum()
+        assert r["exchange_ms"] == max(r["lane_wait_ms"]) > 0
+        assert r["projected_ms"] == pytest.approx(
+            r["critical_path_ms"] + r["exchange_bytes_max_lane"] / link * 1e3 + fixed
+        )
+        assert r["projected_speedup"] == pytest.approx(one["prefill_ms_p50"] / r["projected_ms"])
+        assert 0 < r["critical_path_est_ms"] <= one["lane_busy_ms"][0]
+    assert (out / "bench_prefill.png").stat().st_size > 0
+
     with open(out / "bench_prefill.csv", newline="") as f:
         reader = csv.DictReader(f)
         assert reader.fieldnames == PREFILL_FIELDS
@@ -84,3 +112,4 @@ def test_tiny_prefill_bench_writes_rows_csv_and_plot(quiet_ray, tmp_path, capsys
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     printed = capsys.readouterr().out
     assert "zigzag" in printed and "contiguous" in printed
+    assert "PROJECTED, not measured" in printed
