@@ -7,9 +7,10 @@
 #
 # STEPS picks what runs, in this order (default: all but sweep):
 #   sweep      bench_attention.py --only-sweep --sweep-d 64 (tiling candidates at head dim 64)
-#   prefill    bench_prefill_gpu.py (cp 1/2/4 against transformers)
+#   ipc        pytest tests/test_device_exchange.py (the CUDA IPC exchange, a peer dying)
+#   prefill    bench_prefill_gpu.py --tokens $PREFILL_TOKENS (cp 1/2/4 against transformers)
 #   attention  bench_attention.py (kernels against SDPA, split ablation)
-#   bench      cpkv bench --prefill, 1B shape at 32k, lanes packed on the GPU
+#   bench      cpkv bench --prefill, 1B shape at $BENCH_CONTEXT, lanes packed on the GPU
 #   tests      pytest $TEST_ARGS
 set -uo pipefail
 . "$(dirname "$0")/_gpu_env.sh"
@@ -22,13 +23,15 @@ for s in $STEPS; do
   case $s in
     sweep) step ${SWEEP_S:-150} sweep.txt python3 benchmarks/bench_attention.py --only-sweep \
       --sweep-d 64 --sweep-seconds $(( ${SWEEP_S:-150} - 20 )) --json "$OUT/sweep.json" ;;
+    ipc) step ${IPC_S:-150} ipc.txt python3 -m pytest -q -s -p no:cacheprovider -W ignore \
+      tests/test_device_exchange.py ;;
     prefill) step ${PREFILL_S:-260} prefill.txt python3 benchmarks/bench_prefill_gpu.py \
-      --json "$OUT/prefill.json" ;;
+      --tokens ${PREFILL_TOKENS:-32768} --json "$OUT/prefill.json" ;;
     attention) step ${ATTN_S:-150} attention.txt python3 benchmarks/bench_attention.py \
       --json "$OUT/attention.json" ;;
     bench) step ${BENCH_S:-200} bench.txt python3 -m cpkv.cli bench --prefill --lanes 1,2,4 \
-      --context 32768 --model llama-3.2-1b --num-gpus-per-lane 0.25 --requests 2 \
-      --no-progress --no-plot --out "$OUT/bench" ;;
+      --context ${BENCH_CONTEXT:-32768} --model llama-3.2-1b --num-gpus-per-lane 0.25 --requests 2 \
+      --no-progress --out "$OUT/bench" ;;
     tests) step ${TESTS_S:-170} tests.txt python3 -m pytest -q -p no:cacheprovider -W ignore \
       --durations=8 ${TEST_ARGS:-tests/test_attention_kernels.py tests/test_cp_attention.py tests/test_lane_attention.py tests/test_lane_model.py} ;;
     *) echo "unknown step $s" >&2; exit 2 ;;

@@ -155,8 +155,8 @@ def run_exchanges(group: LaneGroup, steps: int) -> list[str]:
         dtype = (torch.float32, torch.bfloat16, torch.int64)[step % 3]
         width = 4 if step % 3 != 2 else 3
         counts = counts_of(step, ws)
-        x = rows_of(me, step, counts[me], width, dtype)
-        got = group.all_gather_rows(x, counts)
+        x = rows_of(me, step, counts[me], width, dtype).to(group.device)
+        got = group.all_gather_rows(x, counts).cpu()
         want = torch.cat([rows_of(r, step, counts[r], width, dtype) for r in range(ws)])
         if not torch.equal(got, want):
             errors.append(f"gather {step}: differs")
@@ -166,9 +166,11 @@ def run_exchanges(group: LaneGroup, steps: int) -> list[str]:
             return 70000 if step == 7 and r != q else (r + q + step) % 5
 
         send = [rows_of(me * 10 + q, step, n(me, q), width, dtype) for q in range(ws)]
-        recv = group.all_to_all_rows(send, [n(r, me) for r in range(ws)])
+        recv = group.all_to_all_rows(
+            [t.to(group.device) for t in send], [n(r, me) for r in range(ws)]
+        )
         for r in range(ws):
-            if not torch.equal(recv[r], rows_of(r * 10 + me, step, n(r, me), width, dtype)):
+            if not torch.equal(recv[r].cpu(), rows_of(r * 10 + me, step, n(r, me), width, dtype)):
                 errors.append(f"all-to-all {step}: from lane {r} differs")
     return errors
 
@@ -182,16 +184,28 @@ class FailingOpen(FakeIpcDevice):
         raise RuntimeError("cannot map this peer")
 
 
-def lane_main(rank: int, ws: int, ports: list[int], out_dir: str) -> None:
+def lane_main(rank: int, ws: int, ports: list[int], out_dir: str, kind: str) -> None:
     torch.set_num_threads(1)
+    device = torch.device("cuda:0" if kind == "cuda" else "cpu")
+
+    def adaptor() -> FakeIpcDevice | None:
+        return FakeIpcDevice() if kind == "fake" else None  # None: CUDA IPC on device
+
     report: dict = {"rank": rank, "fatal": None, "phases": []}
     try:
         # Phase 0 and 1: the same processes build a group, use it, destroy it, build again
         # (what a lane restart forces), on fresh handles.
         for phase in range(2):
-            dev = FakeIpcDevice()
+            dev = adaptor()
             group = LaneGroup.create(
-                rank, ws, "127.0.0.1", ports[phase], "cuda_ipc", TIMEOUT_S, exchange_device=dev
+                rank,
+                ws,
+                "127.0.0.1",
+                ports[phase],
+                "cuda_ipc",
+                TIMEOUT_S,
+                device=device,
+                exchange_device=dev,
             )
             errors = run_exchanges(group, 9)
             stats = group.take_exchange_stats()
@@ -204,8 +218,8 @@ def lane_main(rank: int, ws: int, ports: list[int], out_dir: str) -> None:
                     "exchanges": stats.exchanges,
                     "bytes_read": stats.bytes_read,
                     "regrowths": stats.regrowths,
-                    "records": len(dev.records),
-                    "waits": len(dev.waits),
+                    "records": len(dev.records) if dev else None,
+                    "waits": len(dev.waits) if dev else None,
                     "link": link,
                 }
             )
@@ -222,9 +236,16 @@ def lane_main(rank: int, ws: int, ports: list[int], out_dir: str) -> None:
         group.destroy()
         # Phase 3: the last lane dies after 2 exchanges; the others fail the third fast.
         group = LaneGroup.create(
-            rank, ws, "127.0.0.1", ports[3], "cuda_ipc", TIMEOUT_S, exchange_device=FakeIpcDevice()
+            rank,
+            ws,
+            "127.0.0.1",
+            ports[3],
+            "cuda_ipc",
+            TIMEOUT_S,
+            device=device,
+            exchange_device=adaptor(),
         )
-        ones = torch.ones(2, 3)
+        ones = torch.ones(2, 3, device=device)
         for _ in range(2):
             group.all_gather_rows(ones, [2] * ws)
         if rank == ws - 1:
@@ -246,14 +267,16 @@ def lane_main(rank: int, ws: int, ports: list[int], out_dir: str) -> None:
 
 
 WS = 3
+# The stand-in everywhere; CUDA IPC too where there is a GPU (lanes packed on it).
+KINDS = ["fake"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+@pytest.fixture(scope="module", params=KINDS)
+def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("ipc")
     ports = [free_port() for _ in range(4)]
     before = set(os.listdir(os.path.dirname(board_path("x"))))
-    mp.spawn(lane_main, args=(WS, ports, str(out)), nprocs=WS, join=True)
+    mp.spawn(lane_main, args=(WS, ports, str(out), request.param), nprocs=WS, join=True)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WS)]
     fatal = [r["fatal"] for r in reports if r["fatal"]]
     assert not fatal, "\n".join(fatal)
@@ -276,8 +299,9 @@ def test_exchanges_deliver_every_lanes_rows(reports: list[dict]) -> None:
         assert all(p["regrowths"] >= 1 for p in lanes)
         assert all(p["bytes_read"] > 0 for p in lanes)
         # Every exchange records written + consumed; the fake checked every wait's tag.
-        assert all(p["records"] >= 2 * 18 for p in lanes)
-        assert all(p["waits"] > 0 for p in lanes)
+        if lanes[0]["records"] is not None:
+            assert all(p["records"] >= 2 * 18 for p in lanes)
+            assert all(p["waits"] > 0 for p in lanes)
         assert all(p["link"]["bytes_per_s"] > 0 for p in lanes)
         assert len({p["generation"] for p in lanes}) == 1
 
@@ -300,3 +324,48 @@ def test_a_dead_peer_fails_the_exchange_fast(reports: list[dict]) -> None:
 
 def test_no_board_left_behind(reports: list[dict]) -> None:
     assert reports[0]["left_behind"] == []
+
+
+# --- CUDA: a peer that dies with its write still queued on the GPU ---
+
+
+def dying_main(rank: int, port: int, out_dir: str) -> None:
+    """Lane 1 queues a long kernel before its write, posts, and exits at once; lane 0's stream
+    then waits on a record that will never complete on the GPU. What lane 0 sees: its stream
+    done or stuck after 20 s, and whether tearing its group down returns."""
+    report: dict = {"rank": rank}
+    group = LaneGroup.create(rank, 2, "127.0.0.1", port, "cuda_ipc", 20.0, device="cuda:0")
+    x = torch.ones(4, 8, device="cuda:0")
+    group.all_gather_rows(x, [4, 4])
+    torch.cuda.synchronize()
+    if rank == 1:
+        torch.cuda._sleep(4_000_000_000)  # seconds of GPU time ahead of the write
+        group.all_gather_rows(x, [4, 4])
+        os._exit(0)
+    try:
+        group.all_gather_rows(x, [4, 4])
+        done = torch.cuda.Event()
+        done.record()
+        t0 = time.perf_counter()
+        while not done.query() and time.perf_counter() - t0 < 20.0:
+            time.sleep(0.01)
+        report["stream"] = "done" if done.query() else "stuck"
+        report["stream_s"] = time.perf_counter() - t0
+    except Exception as e:
+        report["stream"] = f"error: {type(e).__name__}: {e}"
+    t0 = time.perf_counter()
+    group.destroy()
+    report["destroy_s"] = time.perf_counter() - t0
+    Path(out_dir, f"dying{rank}.json").write_text(json.dumps(report))
+    os._exit(0)  # no CUDA teardown under a stream that may be stuck
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peer_dying_with_its_write_queued(tmp_path: Path) -> None:
+    mp.spawn(dying_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    report = json.loads((tmp_path / "dying0.json").read_text())
+    print("peer died with its write queued:", report)
+    assert report["destroy_s"] < 5.0  # the teardown never waits on the stuck stream
+    # What CUDA does with a wait on a dead process's interprocess event decides whether the
+    # survivor's stream can finish; a stuck one would hang the step's synchronize.
+    assert report["stream"] != "stuck", report
