@@ -13,7 +13,9 @@ from cpkv.errors import (
     InvalidRequestError,
     KVCapacityWaitError,
     LaneUnavailableError,
+    LeaseExpiredError,
     RequestTimeoutError,
+    StepFailedError,
 )
 from cpkv.owners import (
     OwnerPlan,
@@ -33,9 +35,11 @@ __all__ = [
     "KVCapacityWaitError",
     "KVShape",
     "LaneUnavailableError",
+    "LeaseExpiredError",
     "OwnerPlan",
     "PrefixCache",
     "RequestTimeoutError",
+    "StepFailedError",
     "build_in_seq_page_compute_owners",
     "build_owner_plan",
     "connect",

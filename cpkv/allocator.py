@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cpkv._validate import as_token_array, check_int, check_rid, check_salt
+from cpkv._validate import as_token_array, check_int, check_rid, check_rids, check_salt
 from cpkv.config import CPConfig
 from cpkv.errors import InvalidRequestError, KVCapacityWaitError, LaneUnavailableError
 from cpkv.owners import OwnerPlan, build_owner_plan, in_seq_page_compute_owner_unavailable_reason
@@ -289,6 +289,8 @@ class CPAllocator:
         self._moves: list[tuple[list[np.ndarray], list[np.ndarray]]] | None = (
             [([], []) for _ in range(cp_size)] if record_page_moves else None
         )
+        # Per lane, local pages that left a request for the prefix cache (still held).
+        self._cached_moves: list[list[np.ndarray]] = [[] for _ in range(cp_size)]
 
     @classmethod
     def from_config(cls, config: CPConfig, **kwargs) -> CPAllocator:
@@ -462,9 +464,19 @@ class CPAllocator:
             As :meth:`allocate_extend`; also InvalidRequestError for an empty
             batch or a repeated rid.
         """
+        if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
+            raise InvalidRequestError(
+                f"allocate_extend_batch takes a list of (rid, token_ids) pairs, "
+                f"got {type(items).__name__}"
+            )
         items = list(items)
         if not items:
             raise InvalidRequestError("allocate_extend_batch got an empty batch")
+        for i, item in enumerate(items):
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise InvalidRequestError(
+                    f"allocate_extend_batch: item {i} = {item!r:.60} is not (rid, token_ids)"
+                )
         check_salt(cache_salt)
         if len(items) == 1:
             return [self.allocate_extend(*items[0], cache_salt=cache_salt)]
@@ -537,7 +549,7 @@ class CPAllocator:
             KVCapacityWaitError: not enough pages even after eviction.
             LaneUnavailableError: a rid was lost with a lane.
         """
-        rids = [check_rid(rid) for rid in rids]
+        rids = check_rids(rids)
         if not rids:
             raise InvalidRequestError("allocate_decode got no rids")
         if len(set(rids)) != len(rids):
@@ -607,6 +619,9 @@ class CPAllocator:
             if n_full:
                 hashes = np.concatenate(req.hashes)[:n_full] if req.hashes else _EMPTY_U64
                 dups = self._cache.insert(hashes, pages[:n_full])
+                if self._moves is not None and n_full > req.num_cached_pages:
+                    mine = pages[req.num_cached_pages : n_full]
+                    self._journal_cached(mine[~np.isin(mine, dups)])
                 keep = max(keep, n_full)
                 self._release(dups)
                 num_dups = int(dups.shape[0])
@@ -638,6 +653,7 @@ class CPAllocator:
         self._pools[lane].reset()
         if self._moves is not None:
             self._moves[lane] = ([], [])  # the lane is reset whole, not page by page
+            self._cached_moves[lane] = []
         self._counters.requests_lost += len(lost)
         return lost
 
@@ -660,6 +676,21 @@ class CPAllocator:
             )
             self._moves[r] = ([], [])
         return out
+
+    def drain_cached_pages(self) -> list[np.ndarray]:
+        """Per lane, ``int32`` local pages that went from a request into the prefix cache since
+        the last drain (they stay held; the lanes stop letting anyone write them).
+
+        Only with ``record_page_moves=True``; drain with :meth:`drain_page_moves`.
+        """
+        out = [np.concatenate(c) if c else _EMPTY_I32 for c in self._cached_moves]
+        self._cached_moves = [[] for _ in range(self.cp_size)]
+        return out
+
+    def _journal_cached(self, pages: np.ndarray) -> None:
+        lanes = pages % self.cp_size
+        for r in np.unique(lanes):
+            self._cached_moves[int(r)].append((pages[lanes == r] // self.cp_size).astype(np.int32))
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

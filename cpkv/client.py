@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cpkv._ray_env import NAMESPACE, ensure_ray, local_gpu_count
-from cpkv._validate import as_token_array, check_int, check_rid, check_salt
+from cpkv._validate import (
+    as_token_array,
+    check_float,
+    check_int,
+    check_rid,
+    check_rids,
+    check_salt,
+    check_vocab,
+)
 from cpkv.allocator import ExtendAllocation, split_slots_by_lane
 from cpkv.config import CPConfig, KVShape
 from cpkv.errors import (
@@ -34,6 +42,7 @@ from cpkv.errors import (
     LaneUnavailableError,
     LeaseExpiredError,
     RequestTimeoutError,
+    StepFailedError,
 )
 
 __all__ = ["CPKVClient", "PrefillResult", "connect"]
@@ -69,6 +78,9 @@ def connect(
     gpu_memory_utilization: float | None = None,
     attention_mode: str = "auto",
     owner_split: str = "zigzag",
+    namespace: str | None = None,
+    lane_hang_s: float | None = None,
+    call_retries: int = 1,
 ) -> CPKVClient:
     """Start or attach to Ray, get or create the named coordinator and its lanes.
 
@@ -107,6 +119,16 @@ def connect(
         attention_mode: the exchange of CP attention steps: ``auto`` (chosen per step by
             measured cost), ``pass_q`` or ``pass_kv``.
         owner_split: ``zigzag`` (default) or ``contiguous``, an ablation of the owner plan.
+        namespace: where this client's request ids live. ``None`` (default): a namespace of
+            its own, so two jobs that both name a request ``"req-0"`` never meet; clients
+            that pass the same name (a driver and its actors) share their requests. Reads
+            and writes of K/V reach only the namespace's pages (and cached ones, read-only).
+        lane_hang_s: a lane that answers no heartbeat for this long (alive but stuck) is
+            killed and brought back like a dead one; default ``max(60, 2 * timeout_s)``
+            (a step holds the lane's heartbeat behind it, so this must outlast the longest
+            step).
+        call_retries: times a coordinator call that timed out is sent again with the same
+            call id (it never takes effect twice).
 
     Returns:
         A :class:`CPKVClient`.
@@ -128,6 +150,12 @@ def connect(
     )
     if lease_s is not None and not lease_s > 0:
         raise InvalidRequestError(f"lease_s={lease_s!r} must be > 0 or None")
+    if namespace is not None and not isinstance(namespace, str):
+        raise InvalidRequestError(f"namespace={namespace!r} must be a str or None")
+    timeout_s = check_float("timeout_s", timeout_s)
+    if lane_hang_s is None:
+        lane_hang_s = max(60.0, 2 * timeout_s)
+    lane_hang_s = check_float("lane_hang_s", lane_hang_s)
     spec = None
     if model is not None:
         from cpkv.models.spec import ModelSpec
@@ -187,8 +215,9 @@ def connect(
         opts = {"name": name, "namespace": NAMESPACE, "get_if_exists": True}
         if detached:
             opts["lifetime"] = "detached"
+        vocab = spec.config.vocab_size if spec is not None else None
         coordinator = CoordinatorActor.options(**opts).remote(
-            config, kv, placement.lane_names, heartbeat_s, timeout_s
+            config, kv, placement.lane_names, heartbeat_s, timeout_s, lane_hang_s, vocab
         )
     client = CPKVClient(
         coordinator,
@@ -197,6 +226,8 @@ def connect(
         owns_ray=started,
         lease_s=lease_s,
         hello_timeout_s=start_timeout_s if placement is not None else None,
+        namespace=namespace,
+        call_retries=call_retries,
     )
     client.name = name
     client.attention_mode = attention_mode
@@ -260,6 +291,7 @@ class _LeaseKeeper:
         self._client = weakref.ref(client)
         self._coord = client._coord
         self._client_id = client.client_id
+        self._hello_args = client._hello_args
         self._lease_s = lease_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="cpkv-lease")
@@ -275,10 +307,9 @@ class _LeaseKeeper:
                 if not ray.get(
                     self._coord.renew_lease.remote(self._client_id), timeout=self._lease_s
                 ):
-                    ray.get(
-                        self._coord.hello.remote(self._client_id, self._lease_s),
-                        timeout=self._lease_s,
-                    )
+                    # Lapsed (or a new coordinator): open the lease again. NOTE: the lapse
+                    # stays remembered; the client's next call is told what was freed.
+                    ray.get(self._coord.hello.remote(*self._hello_args), timeout=self._lease_s)
             except Exception:  # coordinator restarting or gone: try again next period
                 logger.debug("lease renewal failed", exc_info=True)
 
@@ -298,6 +329,9 @@ class CPKVClient:
         lease_s: this client's lease (see :func:`connect`); ``None`` for none.
         hello_timeout_s: the first call's timeout when it differs (a coordinator just
             created answers once it has reset its lanes); default ``timeout_s``.
+        namespace: where this client's request ids live (``None``: a namespace of its own).
+        call_retries: times a coordinator call that timed out is sent again, with the same
+            call id (so it never takes effect twice).
     """
 
     def __init__(
@@ -309,8 +343,12 @@ class CPKVClient:
         owns_ray: bool = False,
         lease_s: float | None = None,
         hello_timeout_s: float | None = None,
+        namespace: str | None = None,
+        call_retries: int = 1,
     ) -> None:
         import ray
+
+        from cpkv.actors.liveness import process_holder
 
         self._ray = ray
         self._coord = coordinator
@@ -322,14 +360,21 @@ class CPKVClient:
         self.lease_s = lease_s
         self._rids: set[Hashable] = set()
         self._lost: list = []
+        self.namespace = namespace
+        self.call_retries = check_int("call_retries", call_retries, minimum=0)
+        self._hello_args = (self.client_id, lease_s, namespace, process_holder())
         hello = self._get(
-            self._coord.hello.remote(self.client_id, lease_s), "hello", timeout=hello_timeout_s
+            self._coord.hello.remote(*self._hello_args), "hello", timeout=hello_timeout_s
         )
         self._epoch: str = hello["epoch"]
         self.config: CPConfig = hello["config"]
         self.kv: KVShape = hello["kv"]
         self.lanes: list = hello["lanes"]
         self.lane_names: list[str] = hello.get("lane_names", [])
+        self.vocab_size: int | None = hello.get("vocab_size")
+        self._namespace_id: int = hello["namespace_id"]
+        # Per lane, the last page move the coordinator had queued at our last allocation.
+        self._fence: list | None = None
         self._lease = _LeaseKeeper(self, lease_s) if lease_s is not None else None
         self.name: str | None = None  # the coordinator's actor name, when known
         self.attention_mode = "auto"
@@ -341,21 +386,71 @@ class CPKVClient:
         return self._placement is not None
 
     # -------------------------------------------------------------- plumbing
-    def _call_id(self) -> tuple[str, int]:
-        return (self.client_id, next(self._calls))
+    def _call_id(self, call_id: Hashable | None = None) -> Hashable:
+        """A new call id, or the caller's (to retry a call that timed out, safely)."""
+        if call_id is None:
+            return (self.client_id, next(self._calls))
+        try:
+            hash(call_id)
+        except TypeError:
+            raise InvalidRequestError(f"call_id={call_id!r} must be hashable") from None
+        return call_id
 
-    def _get(self, ref, what: str, timeout: float | None = None):
+    def _get(self, ref, what: str, timeout: float | None = None, fenced: bool = False):
         timeout = self.timeout_s if timeout is None else timeout
         try:
-            return self._unwrap(self._ray.get(ref, timeout=timeout))
+            out = self._ray.get(ref, timeout=timeout)
         except Exception as e:
             raise self._translate(e, what, timeout) from None
+        return self._unwrap(self._take_fence(out) if fenced else out)
 
-    async def _aget(self, ref, what: str):
+    async def _aget(self, ref, what: str, fenced: bool = False):
         try:
-            return self._unwrap(await asyncio.wait_for(ref, timeout=self.timeout_s))
+            out = await asyncio.wait_for(ref, timeout=self.timeout_s)
         except Exception as e:
             raise self._translate(e, what) from None
+        return self._unwrap(self._take_fence(out) if fenced else out)
+
+    def _take_fence(self, out):
+        answer, self._fence = out
+        return answer
+
+    def _request(self, method: str, *args, what: str, call_id=None, fenced: bool = False):
+        """One coordinator call named by a call id. A call that times out is sent again with
+        the same id (``call_retries`` times): the coordinator answers a repeat with its first
+        answer, so it never takes effect twice.
+
+        Raises:
+            RequestTimeoutError: no answer after the retries; its ``call_id`` retries later.
+        """
+        call_id = self._call_id(call_id)
+        for attempt in range(self.call_retries + 1):
+            ref = getattr(self._coord, method).remote(self._epoch, self.client_id, call_id, *args)
+            try:
+                return self._get(ref, what, fenced=fenced)
+            except RequestTimeoutError as e:
+                if attempt == self.call_retries:
+                    raise RequestTimeoutError(
+                        f"{e}; call_id={call_id!r} (pass it as call_id= to retry safely)",
+                        call_id,
+                    ) from None
+                logger.info("%s timed out; sending it again as call %r", what, call_id)
+        raise AssertionError("unreachable")
+
+    async def _arequest(self, method: str, *args, what: str, call_id=None, fenced=False):
+        """Async twin of :meth:`_request`."""
+        call_id = self._call_id(call_id)
+        for attempt in range(self.call_retries + 1):
+            ref = getattr(self._coord, method).remote(self._epoch, self.client_id, call_id, *args)
+            try:
+                return await self._aget(ref, what, fenced=fenced)
+            except RequestTimeoutError as e:
+                if attempt == self.call_retries:
+                    raise RequestTimeoutError(
+                        f"{e}; call_id={call_id!r} (pass it as call_id= to retry safely)",
+                        call_id,
+                    ) from None
+        raise AssertionError("unreachable")
 
     def _translate(self, e: Exception, what: str, timeout: float | None = None) -> Exception:
         """Ray's timeout and actor errors as cpkv's; anything else unchanged."""
@@ -374,7 +469,7 @@ class CPKVClient:
         if isinstance(out, CoordinatorUnavailableError):
             self._lose_all()
             hello = self._ray.get(
-                self._coord.hello.remote(self.client_id, self.lease_s), timeout=self.timeout_s
+                self._coord.hello.remote(*self._hello_args), timeout=self.timeout_s
             )
             self._epoch = hello["epoch"]
             raise CoordinatorUnavailableError(out.detail, self._take_lost())
@@ -397,8 +492,10 @@ class CPKVClient:
         return lost
 
     # ------------------------------------------------------------ validation
-    def _check_tokens(self, rid: Hashable, token_ids) -> np.ndarray:
+    def _check_tokens(self, rid: Hashable, token_ids, *, step: bool = False) -> np.ndarray:
         tokens = as_token_array(token_ids, name=f"token_ids[{rid!r}]")
+        if step:
+            check_vocab(tokens, self.vocab_size, name=f"token_ids[{rid!r}]")
         if tokens.shape[0] > self.config.max_context_len:
             raise InvalidRequestError(
                 f"rid={rid!r}: {tokens.shape[0]} tokens > max_context_len="
@@ -408,46 +505,71 @@ class CPKVClient:
 
     # ------------------------------------------------------------ allocation
     def allocate_extend(
-        self, rid: Hashable, token_ids, *, cache_salt: str | bytes | None = None
+        self,
+        rid: Hashable,
+        token_ids,
+        *,
+        cache_salt: str | bytes | None = None,
+        call_id: Hashable | None = None,
     ) -> ExtendAllocation:
         """Allocate one request's prefill step (see :meth:`cpkv.CPAllocator.allocate_extend`).
 
-        Calls on one rid are serialised by the coordinator: two clients extending the
-        same rid at once both succeed, one after the other (ids are shared by every
-        client of a pool, so give requests ids unique to your job).
+        Request ids live in this client's namespace (see :func:`connect`): another job's
+        ``"req-0"`` is another request. Calls on one rid are serialised by the coordinator.
 
         Args:
             rid: request id, ``str`` or ``int``.
             token_ids: the new tokens (the whole prompt for a new rid).
             cache_salt: requests share cached pages only with requests of the same salt.
+            call_id: retry a call that raised RequestTimeoutError: pass its ``call_id``
+                (the answer, if the call took effect, is the first one; never a second
+                allocation).
 
         Raises:
             InvalidRequestError, KVCapacityWaitError, LaneUnavailableError,
-            LeaseExpiredError, CoordinatorUnavailableError, RequestTimeoutError.
+            LeaseExpiredError, StepFailedError, CoordinatorUnavailableError,
+            RequestTimeoutError.
         """
         rid, tokens = self._extend_args(rid, token_ids, cache_salt)
-        out = self._get(self._extend_ref(rid, tokens, cache_salt), "allocate_extend")
+        out = self._request(
+            "allocate_extend",
+            rid,
+            tokens,
+            cache_salt,
+            what="allocate_extend",
+            call_id=call_id,
+            fenced=True,
+        )
         self._rids.add(rid)
         return out
 
-    def _extend_args(self, rid, token_ids, cache_salt) -> tuple[Hashable, np.ndarray]:
-        """Validate an extend's arguments on the caller's side (before any actor call)."""
+    def _extend_args(self, rid, token_ids, cache_salt, *, step: bool = False):
+        """Validate an extend's arguments on the caller's side (before any actor call);
+        a step's token ids are also checked against the model's vocabulary."""
         rid = check_rid(rid)
-        tokens = self._check_tokens(rid, token_ids)
+        tokens = self._check_tokens(rid, token_ids, step=step)
         check_salt(cache_salt)
         return rid, tokens
 
-    def _extend_ref(self, rid: Hashable, tokens: np.ndarray, cache_salt):
-        return self._coord.allocate_extend.remote(
-            self._epoch, self.client_id, self._call_id(), rid, tokens, cache_salt
-        )
-
     async def allocate_extend_async(
-        self, rid: Hashable, token_ids, *, cache_salt: str | bytes | None = None
+        self,
+        rid: Hashable,
+        token_ids,
+        *,
+        cache_salt: str | bytes | None = None,
+        call_id: Hashable | None = None,
     ) -> ExtendAllocation:
         """Async twin of :meth:`allocate_extend`."""
         rid, tokens = self._extend_args(rid, token_ids, cache_salt)
-        out = await self._aget(self._extend_ref(rid, tokens, cache_salt), "allocate_extend")
+        out = await self._arequest(
+            "allocate_extend",
+            rid,
+            tokens,
+            cache_salt,
+            what="allocate_extend",
+            call_id=call_id,
+            fenced=True,
+        )
         self._rids.add(rid)
         return out
 
@@ -470,7 +592,9 @@ class CPKVClient:
         rid, tokens = self._extend_args(rid, token_ids, cache_salt)
 
         def once() -> ExtendAllocation:  # checked once above, not on every retry
-            out = self._get(self._extend_ref(rid, tokens, cache_salt), "allocate_extend")
+            out = self._request(
+                "allocate_extend", rid, tokens, cache_salt, what="allocate_extend", fenced=True
+            )
             self._rids.add(rid)
             return out
 
@@ -484,6 +608,9 @@ class CPKVClient:
 
     @staticmethod
     def _with_backoff(fn, *, deadline_s, initial_backoff_s, max_backoff_s, rng):
+        deadline_s = check_float("deadline_s", deadline_s)
+        initial_backoff_s = check_float("initial_backoff_s", initial_backoff_s)
+        max_backoff_s = check_float("max_backoff_s", max_backoff_s)
         rng = rng or random.Random()
         end = time.monotonic() + deadline_s
         backoff = initial_backoff_s
@@ -499,25 +626,48 @@ class CPKVClient:
                 backoff = min(max_backoff_s, backoff * 2)
 
     def allocate_extend_batch(
-        self, items: Sequence[tuple[Hashable, object]], *, cache_salt: str | bytes | None = None
+        self,
+        items: Sequence[tuple[Hashable, object]],
+        *,
+        cache_salt: str | bytes | None = None,
+        call_id: Hashable | None = None,
     ) -> list:
         """Allocate one prefill step of several requests, all or nothing."""
-        checked = []
-        for rid, t in items:
-            rid = check_rid(rid)
-            checked.append((rid, self._check_tokens(rid, t)))
-        if not checked:
-            raise InvalidRequestError("allocate_extend_batch got an empty batch")
-        check_salt(cache_salt)
-        ref = self._coord.allocate_extend_batch.remote(
-            self._epoch, self.client_id, self._call_id(), checked, cache_salt
+        checked = self._batch_args(items, cache_salt, "allocate_extend_batch")
+        out = self._request(
+            "allocate_extend_batch",
+            checked,
+            cache_salt,
+            what="allocate_extend_batch",
+            call_id=call_id,
+            fenced=True,
         )
-        out = self._get(ref, "allocate_extend_batch")
         self._rids.update(rid for rid, _ in checked)
         return out
 
-    def _decode_args(self, rids: Sequence[Hashable], token_ids) -> tuple[list, np.ndarray | None]:
-        rids = [check_rid(rid) for rid in rids]
+    def _batch_args(
+        self, items, cache_salt, what: str, *, step: bool = False
+    ) -> list[tuple[Hashable, np.ndarray]]:
+        """A batch's ``(rid, tokens)`` pairs checked on the caller's side."""
+        if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
+            raise InvalidRequestError(
+                f"{what} takes a list of (rid, token_ids) pairs, got {type(items).__name__}"
+            )
+        checked = []
+        for i, item in enumerate(items):
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise InvalidRequestError(f"{what}: item {i} = {item!r:.60} is not (rid, tokens)")
+            rid = check_rid(item[0])
+            checked.append((rid, self._check_tokens(rid, item[1], step=step)))
+        if not checked:
+            raise InvalidRequestError(f"{what} got an empty batch")
+        check_salt(cache_salt)
+        return checked
+
+    def _decode_args(
+        self, rids: Sequence[Hashable], token_ids, *, step: bool = False
+    ) -> tuple[list, np.ndarray | None]:
+        rids = check_rids(rids)
         if not rids:
             raise InvalidRequestError("allocate_decode got no rids")
         toks = None if token_ids is None else as_token_array(token_ids)
@@ -525,23 +675,27 @@ class CPKVClient:
             raise InvalidRequestError(
                 f"allocate_decode got {toks.shape[0]} token ids for {len(rids)} rids"
             )
+        if step and toks is not None:
+            check_vocab(toks, self.vocab_size)
         return rids, toks
 
-    def allocate_decode(self, rids: Sequence[Hashable], token_ids=None) -> np.ndarray:
+    def allocate_decode(
+        self, rids: Sequence[Hashable], token_ids=None, *, call_id: Hashable | None = None
+    ) -> np.ndarray:
         """One more token for each request; ``int64 [len(rids)]`` slots."""
         rids, toks = self._decode_args(rids, token_ids)
-        ref = self._coord.allocate_decode.remote(
-            self._epoch, self.client_id, self._call_id(), rids, toks
+        return self._request(
+            "allocate_decode", rids, toks, what="allocate_decode", call_id=call_id, fenced=True
         )
-        return self._get(ref, "allocate_decode")
 
-    async def allocate_decode_async(self, rids: Sequence[Hashable], token_ids=None) -> np.ndarray:
+    async def allocate_decode_async(
+        self, rids: Sequence[Hashable], token_ids=None, *, call_id: Hashable | None = None
+    ) -> np.ndarray:
         """Async twin of :meth:`allocate_decode`."""
         rids, toks = self._decode_args(rids, token_ids)
-        ref = self._coord.allocate_decode.remote(
-            self._epoch, self.client_id, self._call_id(), rids, toks
+        return await self._arequest(
+            "allocate_decode", rids, toks, what="allocate_decode", call_id=call_id, fenced=True
         )
-        return await self._aget(ref, "allocate_decode")
 
     def _free_args(self, rid, committed_len) -> Hashable:
         rid = check_rid(rid)
@@ -549,25 +703,35 @@ class CPKVClient:
             check_int("committed_len", committed_len, minimum=0)
         return rid
 
-    def free(self, rid: Hashable, cache: bool = True, committed_len: int | None = None) -> int:
-        """Release a request; full pages go to the prefix cache when ``cache``."""
+    def free(
+        self,
+        rid: Hashable,
+        cache: bool = True,
+        committed_len: int | None = None,
+        *,
+        call_id: Hashable | None = None,
+    ) -> int:
+        """Release a request; full pages go to the prefix cache when ``cache`` (only pages
+        whose K/V is known written: a request whose step failed, or is still running,
+        caches no page of that step)."""
         rid = self._free_args(rid, committed_len)
-        ref = self._coord.free.remote(
-            self._epoch, self.client_id, self._call_id(), rid, bool(cache), committed_len
-        )
-        out = self._get(ref, "free")
+        out = self._request("free", rid, bool(cache), committed_len, what="free", call_id=call_id)
         self._forget([rid])
         return out
 
     async def free_async(
-        self, rid: Hashable, cache: bool = True, committed_len: int | None = None
+        self,
+        rid: Hashable,
+        cache: bool = True,
+        committed_len: int | None = None,
+        *,
+        call_id: Hashable | None = None,
     ) -> int:
         """Async twin of :meth:`free`."""
         rid = self._free_args(rid, committed_len)
-        ref = self._coord.free.remote(
-            self._epoch, self.client_id, self._call_id(), rid, bool(cache), committed_len
+        out = await self._arequest(
+            "free", rid, bool(cache), committed_len, what="free", call_id=call_id
         )
-        out = await self._aget(ref, "free")
         self._forget([rid])
         return out
 
@@ -581,6 +745,7 @@ class CPKVClient:
         mode: str | None = None,
         deadline_s: float | None = None,
         probe=None,
+        call_id: Hashable | None = None,
     ) -> PrefillResult:
         """Prefill one request's new tokens on the lanes (the pool's model).
 
@@ -591,33 +756,45 @@ class CPKVClient:
 
         Args:
             rid: request id (``str`` or ``int``).
-            token_ids: the new tokens (the whole prompt for a new rid).
+            token_ids: the new tokens (the whole prompt for a new rid), ids of the model's
+                vocabulary.
             cache_salt: share cached pages only with requests of the same salt.
             mode: attention exchange for this step (default: the pool's ``attention_mode``).
             deadline_s: retry capacity waits with backoff until then (``None``: raise at once).
             probe: tests and benchmarks without a model: ``(q, k, v)`` tensors, one row per
                 given token; the lanes attend them instead of running a model.
+            call_id: retry a call that raised RequestTimeoutError (its ``call_id``).
 
         Returns:
             A :class:`PrefillResult`: fp32 ``[vocab]`` logits of the last new token and the
             step's :class:`ExtendAllocation`.
 
         Raises:
-            As :meth:`allocate_extend`; InvalidRequestError when the pool has no model.
+            As :meth:`allocate_extend`; InvalidRequestError when the pool has no model or an
+            id is outside its vocabulary; StepFailedError when the step failed on a lane
+            (the request is then failed: free it and submit again).
         """
-        rid, tokens = self._extend_args(rid, token_ids, cache_salt)
+        rid, tokens = self._extend_args(rid, token_ids, cache_salt, step=probe is None)
         mode = self._mode(mode)
+        self._check_model(probe)
+        call_id = self._call_id(call_id)
 
         def once():
-            ref = self._coord.prefill.remote(
-                self._epoch, self.client_id, self._call_id(), rid, tokens, cache_salt, mode, probe
+            out = self._request(
+                "prefill",
+                rid,
+                tokens,
+                cache_salt,
+                mode,
+                probe,
+                what="prefill",
+                call_id=call_id,
             )
-            out = self._get(ref, "prefill")
             self._rids.add(rid)
             return out
 
         out = once() if deadline_s is None else self._backoff(once, deadline_s)
-        return self._step_results(out, "prefill")[0]
+        return self._step_results(out, "prefill", [rid], call_id)[0]
 
     def prefill_batch(
         self,
@@ -626,47 +803,61 @@ class CPKVClient:
         cache_salt: str | bytes | None = None,
         mode: str | None = None,
         probe=None,
+        call_id: Hashable | None = None,
     ) -> list[PrefillResult]:
         """Prefill several requests in one step (each sequence split by its own plan)."""
-        checked = []
-        for rid, t in items:
-            rid = check_rid(rid)
-            checked.append((rid, self._check_tokens(rid, t)))
-        if not checked:
-            raise InvalidRequestError("prefill_batch got an empty batch")
-        check_salt(cache_salt)
-        ref = self._coord.prefill_batch.remote(
-            self._epoch,
-            self.client_id,
-            self._call_id(),
+        checked = self._batch_args(items, cache_salt, "prefill_batch", step=probe is None)
+        self._check_model(probe)
+        call_id = self._call_id(call_id)
+        out = self._request(
+            "prefill_batch",
             checked,
             cache_salt,
             self._mode(mode),
             probe,
+            what="prefill_batch",
+            call_id=call_id,
         )
-        out = self._get(ref, "prefill_batch")
         self._rids.update(rid for rid, _ in checked)
-        return self._step_results(out, "prefill_batch")
+        return self._step_results(out, "prefill_batch", [rid for rid, _ in checked], call_id)
 
-    def decode(self, rids: Sequence[Hashable], token_ids, *, mode: str | None = None, probe=None):
+    def decode(
+        self,
+        rids: Sequence[Hashable],
+        token_ids,
+        *,
+        mode: str | None = None,
+        probe=None,
+        deadline_s: float | None = None,
+        call_id: Hashable | None = None,
+    ):
         """One token for each request, attended over every lane's pages (merged by LSE).
 
         Args:
             rids: live requests.
             token_ids: the token each request appends (the last sampled one).
+            deadline_s: retry capacity waits with backoff until then (``None``: raise at once).
+            call_id: retry a call that raised RequestTimeoutError (its ``call_id``).
 
         Returns:
             ``fp32 [len(rids), vocab]`` next-token logits (probe steps: ``[len(rids), Hq, D]``
             attention outputs).
+
+        Raises:
+            As :meth:`prefill`.
         """
-        rids, toks = self._decode_args(rids, token_ids)
+        rids, toks = self._decode_args(rids, token_ids, step=probe is None)
         if toks is None:
             raise InvalidRequestError("decode needs the token id of every request")
-        ref = self._coord.decode.remote(
-            self._epoch, self.client_id, self._call_id(), rids, toks, self._mode(mode), probe
-        )
-        out = self._get(ref, "decode")
-        results = self._wait_step(out["lanes"], "decode")
+        mode = self._mode(mode)
+        self._check_model(probe)
+        call_id = self._call_id(call_id)
+
+        def once():
+            return self._request("decode", rids, toks, mode, probe, what="decode", call_id=call_id)
+
+        out = once() if deadline_s is None else self._backoff(once, deadline_s)
+        results = self._wait_step(out["lanes"], "decode", rids, call_id)
         if probe is not None:
             return _assemble_probe(results, len(rids))
         rows = {}
@@ -703,13 +894,21 @@ class CPKVClient:
             raise InvalidRequestError(f"mode={mode!r}; expected one of {MODES}")
         return mode
 
+    def _check_model(self, probe) -> None:
+        if probe is None and self.vocab_size is None:
+            raise InvalidRequestError(
+                "this pool has no model: connect(..., model=...) to prefill and decode"
+            )
+
     def _backoff(self, fn, deadline_s: float):
         return self._with_backoff(
             fn, deadline_s=deadline_s, initial_backoff_s=0.005, max_backoff_s=0.5, rng=None
         )
 
-    def _step_results(self, out: dict, what: str) -> list[PrefillResult]:
-        results = self._wait_step(out["lanes"], what)
+    def _step_results(
+        self, out: dict, what: str, rids: list, call_id: Hashable = None
+    ) -> list[PrefillResult]:
+        results = self._wait_step(out["lanes"], what, rids, call_id)
         allocs = out["allocations"]
         logits: dict[int, np.ndarray] = {}
         for res in results:
@@ -728,9 +927,17 @@ class CPKVClient:
             made.append(PrefillResult(logits.get(b), alloc, lane_s, mode, part, wait_s, attn_s))
         return made
 
-    def _wait_step(self, handles: list, what: str) -> list[dict]:
-        """Every lane's step result, in lane order. A dead lane is reported at once (the
-        others would only fail later, in their collectives, when the group times out)."""
+    def _wait_step(
+        self, handles: list, what: str, rids: list, call_id: Hashable = None
+    ) -> list[dict]:
+        """Every lane's step result, in lane order. A dead lane is reported at once; a lane
+        whose step failed made the others fail it too (it left the lane group).
+
+        Raises:
+            LaneUnavailableError: a lane died (its requests are lost).
+            StepFailedError: the step failed on a lane (its requests are failed).
+            RequestTimeoutError: lanes silent past ``timeout_s`` (``call_id`` waits again).
+        """
         ray = self._ray
         index = {ref: r for r, ref in enumerate(handles)}
         remaining, results, errors = list(handles), {}, []
@@ -741,25 +948,34 @@ class CPKVClient:
             )
             if not ready:
                 lanes = sorted(index[ref] for ref in remaining)
-                raise RequestTimeoutError(f"{what}: lanes {lanes} silent for {self.timeout_s}s")
+                raise RequestTimeoutError(
+                    f"{what}: lanes {lanes} silent for {self.timeout_s}s; call_id={call_id!r} "
+                    "(pass it as call_id= to wait for this step again)",
+                    call_id,
+                )
             for ref in ready:
                 r = index[ref]
                 try:
                     results[r] = ray.get(ref)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                    lost = self._get(
-                        self._coord.report_lane_failure.remote(
-                            self._epoch, r, f"{what}: lane died"
-                        ),
-                        "report_lane_failure",
-                    )
-                    self._forget(lost)
+                    lost = self._report_lane(r, f"{what}: lane died")
                     raise LaneUnavailableError(r, lost, f"{what} failed") from None
                 except ray.exceptions.RayTaskError as e:
-                    errors.append(e.as_instanceof_cause())
+                    errors.append((r, e.as_instanceof_cause()))
         if errors:
-            raise errors[0]
+            lane, cause = errors[0]  # the first to fail; the others failed with it
+            detail = f"lane {lane}: {type(cause).__name__}: {str(cause)[:300]}"
+            raise StepFailedError(rids[0] if len(rids) == 1 else tuple(rids), detail) from cause
         return [results[r] for r in range(len(handles))]
+
+    def _report_lane(self, lane: int, detail: str) -> list:
+        """Tell the coordinator ``lane`` failed; forget and return our requests lost with it."""
+        lost = self._get(
+            self._coord.report_lane_failure.remote(self._epoch, lane, detail, self.client_id),
+            "report_lane_failure",
+        )
+        self._forget(lost)
+        return lost
 
     # ------------------------------------------------------------------- KV
     def _check_kv(self, slots: np.ndarray, k, v) -> None:
@@ -794,7 +1010,9 @@ class CPKVClient:
             layer: which layer's shard.
 
         Raises:
-            InvalidRequestError: shapes, dtypes or slots wrong (before any call).
+            InvalidRequestError: shapes, dtypes or slots wrong (before any call); a slot on a
+                page that is not this client's namespace's (the lanes refuse it: cached
+                pages are read-only, other jobs' pages out of reach).
             LaneUnavailableError: a lane died; its requests are lost.
         """
         slots = self._slots(slots)
@@ -802,14 +1020,14 @@ class CPKVClient:
         check_int("layer", layer, minimum=0)
         if layer >= self.kv.num_layers:
             raise InvalidRequestError(f"layer={layer} >= num_layers={self.kv.num_layers}")
-        refs = []
+        calls = {}
         for r, (idx, local) in enumerate(
             split_slots_by_lane(slots, self.config.page_size, self.config.cp_size)
         ):
             if idx.size:
                 ti = _index(idx)
-                refs.append((r, self.lanes[r].store_kv.remote(local, k[ti], v[ti], layer)))
-        self._wait_lanes(refs, "store_kv")
+                calls[r] = (self.lanes[r].store_kv, (local, k[ti], v[ti], layer))
+        self._lane_io(calls, "store_kv")
 
     def gather_kv(self, slots, layer: int = 0):
         """Read back K/V ``[T, heads, head_dim]`` at global slots (CPU tensors)."""
@@ -817,19 +1035,47 @@ class CPKVClient:
 
         slots = self._slots(slots)
         parts = split_slots_by_lane(slots, self.config.page_size, self.config.cp_size)
-        refs = [
-            (r, self.lanes[r].gather_kv.remote(local, layer))
+        calls = {
+            r: (self.lanes[r].gather_kv, (local, layer))
             for r, (idx, local) in enumerate(parts)
             if idx.size
-        ]
-        got = self._wait_lanes(refs, "gather_kv")
+        }
+        got = self._lane_io(calls, "gather_kv")
         dtype = getattr(torch, self.kv.dtype)
         shape = (slots.shape[0], self.kv.num_heads, self.kv.head_dim)
         k, v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
-        for (r, _), (kr, vr) in zip(refs, got, strict=True):
+        for r, (kr, vr) in got.items():
             ti = _index(parts[r][0])
             k[ti], v[ti] = kr, vr
         return k, v
+
+    def _lane_io(self, calls: dict, what: str) -> dict:
+        """Run a K/V read or write on each lane, as this client's namespace, after the page
+        moves of our last allocation (a lane that has not applied them yet answers
+        ``NOT_YET``: asked again shortly, within ``timeout_s``)."""
+        from cpkv.lanes.shard import NOT_YET
+
+        out: dict = {}
+        end, pause = time.monotonic() + self.timeout_s, 0.001
+        while calls:
+            fence = self._fence
+            refs = [
+                (r, method.remote(*args, self._namespace_id, None if fence is None else fence[r]))
+                for r, (method, args) in calls.items()
+            ]
+            for (r, _), res in zip(refs, self._wait_lanes(refs, what), strict=True):
+                if not (isinstance(res, str) and res == NOT_YET):
+                    out[r] = res
+                    del calls[r]
+            if calls:
+                if time.monotonic() > end:
+                    raise RequestTimeoutError(
+                        f"{what}: lanes {sorted(calls)} did not get their page moves in "
+                        f"{self.timeout_s}s"
+                    )
+                time.sleep(pause)
+                pause = min(0.05, pause * 2)
+        return out
 
     def _wait_lanes(self, refs: list, what: str) -> list:
         ray = self._ray
@@ -842,13 +1088,7 @@ class CPKVClient:
                     f"{what}: lane {r} silent for {self.timeout_s}s"
                 ) from None
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                lost = self._get(
-                    self._coord.report_lane_failure.remote(
-                        self._epoch, r, f"{what}: {type(e).__name__}"
-                    ),
-                    "report_lane_failure",
-                )
-                self._forget(lost)
+                lost = self._report_lane(r, f"{what}: {type(e).__name__}")
                 raise LaneUnavailableError(r, lost, f"{what} failed") from None
         return out
 

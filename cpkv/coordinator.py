@@ -14,16 +14,20 @@ they cross Ray as themselves and can be remembered for a retried call).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from cpkv._validate import RequestKey, as_token_array, check_rid, check_vocab, user_rid
 from cpkv.allocator import CPAllocator, ExtendAllocation
 from cpkv.config import CPConfig, KVShape
 from cpkv.errors import (
@@ -31,12 +35,14 @@ from cpkv.errors import (
     CPKVError,
     InvalidRequestError,
     KVCapacityWaitError,
+    LaneUnavailableError,
     LeaseExpiredError,
+    StepFailedError,
 )
 from cpkv.lane_channel import LaneChannel, LaneTransport
 from cpkv.lane_health import RESTARTING, LaneHealth
 from cpkv.leases import LeaseTable
-from cpkv.reply_cache import ReplyCache
+from cpkv.reply_cache import DROPPED, ReplyCache
 from cpkv.steps import MODES, StepInput, StepSequence
 
 __all__ = ["Coordinator"]
@@ -45,8 +51,35 @@ logger = logging.getLogger("cpkv.coordinator")
 
 # Replies kept for client calls retried after a lost answer.
 _MAX_REMEMBERED_CALLS = 1024
+# Bytes those replies may pin (a step's reply holds its logits in the object store: 113
+# remembered 1B-model steps pinned 442 MiB before this bound).
+_MAX_REMEMBERED_BYTES = 64 << 20
 # Page moves in flight before a caller waits for the oldest (back-pressure).
 _MAX_PENDING_MOVES = 2048
+# Namespace id of requests made without a client id (tests, tools); clients get 2, 3, ...
+_NO_NAMESPACE_ID = 1
+
+
+@dataclass(slots=True)
+class _Track:
+    """A request's K/V as its steps on the lanes left it.
+
+    Attributes:
+        written: tokens whose K/V a successful step (or the cached prefix) wrote.
+        inflight: steps of the request dispatched and not yet answered.
+    """
+
+    written: int
+    inflight: int = 0
+
+
+@dataclass(slots=True)
+class _InflightStep:
+    """A step dispatched to every lane whose outcome is not known yet."""
+
+    step_id: int
+    lengths: list[tuple[Hashable, int]]  # (request key, its length once the step wrote)
+    handles: list[Future]  # per lane, the future of (status handle, result handle)
 
 
 class Coordinator:
@@ -70,13 +103,18 @@ class Coordinator:
         *,
         heartbeat_s: float = 1.0,
         lane_restart_timeout_s: float = 60.0,
+        lane_hang_s: float | None = None,
+        vocab_size: int | None = None,
+        liveness: Callable[[dict], bool | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.kv = kv
+        self.vocab_size = vocab_size
         self.epoch = uuid.uuid4().hex
         self._clock = clock
         self._timeout_s = lane_restart_timeout_s
+        self._liveness = liveness
         self._lock = threading.RLock()
         self._channel = LaneChannel(transport, config.cp_size, self.epoch)
         self._health = LaneHealth(
@@ -86,8 +124,13 @@ class Coordinator:
             on_back=self._on_lane_back,
             restart_timeout_s=lane_restart_timeout_s,
             num_pages=config.num_pages_per_lane,
+            hang_s=lane_hang_s,
+            kill=getattr(transport, "kill", None),
         )
         self._leases = LeaseTable()
+        # client id -> namespace; namespace -> the id the lanes know it by.
+        self._namespaces: dict[str, str] = {}
+        self._namespace_ids: dict[str, int] = {}
         self._transport = transport
         # The lanes' collective group: built before the first step, rebuilt after a lane
         # is lost or comes back (None: stale). Steps are numbered in submission order.
@@ -104,18 +147,52 @@ class Coordinator:
             ).start()
 
     # ------------------------------------------------------------------ setup
-    def hello(self, client_id: str | None = None, lease_s: float | None = None) -> dict:
-        """The pool's identity and shape; opens ``client_id``'s lease when given."""
-        if client_id is not None and lease_s is not None:
+    def hello(
+        self,
+        client_id: str | None = None,
+        lease_s: float | None = None,
+        namespace: str | None = None,
+        holder: dict | None = None,
+    ) -> dict:
+        """The pool's identity and shape; registers ``client_id``.
+
+        Args:
+            client_id: the client (its calls carry it).
+            lease_s: open (or refresh) the client's lease of this many seconds.
+            namespace: the client's request ids live in this namespace (default: one of its
+                own; clients that pass the same name share their requests).
+            holder: the client's process (``node_id``, ``pid``, ``start``), asked before
+                its lease is lapsed for silence: a live but busy process keeps its lease.
+
+        Returns:
+            ``epoch``, ``config``, ``kv``, ``vocab_size`` and ``namespace_id`` (the id
+            the lanes check the client's reads and writes against).
+        """
+        ns_id = _NO_NAMESPACE_ID
+        if client_id is not None:
+            ns = client_id if namespace is None else str(namespace)
             with self._lock:
-                self._leases.open(client_id, lease_s, self._clock())
-        return {"epoch": self.epoch, "config": self.config, "kv": self.kv}
+                self._namespaces[client_id] = ns
+                ns_id = self._namespace_id(ns)
+            if lease_s is not None:
+                self._leases.open(client_id, lease_s, self._clock(), holder)
+        return {
+            "epoch": self.epoch,
+            "config": self.config,
+            "kv": self.kv,
+            "vocab_size": self.vocab_size,
+            "namespace_id": ns_id,
+        }
 
     def reset(self) -> None:
         """Forget every request and cached page; every lane back to an empty shard."""
         with self._lock:
             self._core = CPAllocator.from_config(self.config, record_page_moves=True)
-            self._replies = ReplyCache(_MAX_REMEMBERED_CALLS)
+            self._replies = ReplyCache(_MAX_REMEMBERED_CALLS, _MAX_REMEMBERED_BYTES)
+            self._tracks: dict[Hashable, _Track] = {}
+            self._failed: dict[Hashable, tuple[str, int]] = {}
+            self._inflight: dict[int, _InflightStep] = {}
+            self.num_failed_steps = 0
             self._leases.forget_requests()
             self._health.losses.clear()
             self._health.mismatches = 0
@@ -133,33 +210,44 @@ class Coordinator:
         self, epoch: str, client_id: str | None, call_id: Hashable, rid, tokens, cache_salt=None
     ) -> Any:
         def run():
-            alloc = self._core.allocate_extend(rid, tokens, cache_salt=cache_salt)
+            key = self._key(client_id, rid)
+            self._check_not_failed(key)
+            alloc = self._core.allocate_extend(key, tokens, cache_salt=cache_salt)
             self._leases.hold(client_id, alloc.rid)
+            self._client_writes(alloc.rid)
             return alloc
 
-        return self._call(epoch, client_id, call_id, "extend", run)
+        digest = _digest("extend", rid, tokens, cache_salt)
+        return self._call(epoch, client_id, call_id, "extend", run, digest)
 
     def allocate_extend_batch(
         self, epoch: str, client_id: str | None, call_id: Hashable, items, cache_salt=None
     ) -> Any:
         def run():
-            allocs = self._core.allocate_extend_batch(items, cache_salt=cache_salt)
+            keyed = self._keyed_items(client_id, items)
+            allocs = self._core.allocate_extend_batch(keyed, cache_salt=cache_salt)
             for a in allocs:
                 self._leases.hold(client_id, a.rid)
+                self._client_writes(a.rid)
             return allocs
 
-        return self._call(epoch, client_id, call_id, "batch", run)
+        digest = _digest("batch", _items_digest(items), cache_salt)
+        return self._call(epoch, client_id, call_id, "batch", run, digest)
 
     def allocate_decode(
         self, epoch: str, client_id: str | None, call_id: Hashable, rids, token_ids=None
     ) -> Any:
-        return self._call(
-            epoch,
-            client_id,
-            call_id,
-            "decode",
-            lambda: self._core.allocate_decode(rids, token_ids),
-        )
+        def run():
+            keys = self._keys(client_id, rids)
+            for key in keys:
+                self._check_not_failed(key)
+            slots = self._core.allocate_decode(keys, token_ids)
+            for key in keys:
+                self._client_writes(key)
+            return slots
+
+        digest = _digest("decode", _rids_digest(rids), token_ids)
+        return self._call(epoch, client_id, call_id, "decode", run, digest)
 
     def free(
         self,
@@ -170,12 +258,28 @@ class Coordinator:
         cache: bool = True,
         committed_len: int | None = None,
     ) -> Any:
+        """Free a request; only pages whose K/V was written may enter the prefix cache.
+
+        A request whose step failed, or has a step in flight, is freed as far as its K/V
+        is known written, whatever ``cache`` and ``committed_len`` say.
+        """
+
         def run():
-            freed = self._core.free(rid, cache, committed_len)
-            self._leases.release(rid)
+            key = self._key(client_id, rid)
+            written = self._written_len(key)
+            committed = committed_len
+            if written is not None and cache:
+                if committed is not None and committed > self._core.request_len(key):
+                    committed = max(committed, written)  # the core names the bad value
+                else:
+                    committed = written if committed is None else min(committed, written)
+            freed = self._core.free(key, cache, committed)
+            self._forget_request(key)
+            self._leases.release(key)
             return freed
 
-        return self._call(epoch, client_id, call_id, "free", run)
+        digest = _digest("free", rid, cache, committed_len)
+        return self._call(epoch, client_id, call_id, "free", run, digest)
 
     # ------------------------------------------------------------------ steps
     def prefill(
@@ -198,11 +302,15 @@ class Coordinator:
         """
 
         def run():
-            alloc = self._core.allocate_extend(rid, tokens, cache_salt=cache_salt)
+            key = self._key(client_id, rid)
+            self._check_step_tokens(rid, tokens, probe)
+            self._check_not_failed(key)
+            alloc = self._core.allocate_extend(key, tokens, cache_salt=cache_salt)
             self._leases.hold(client_id, alloc.rid)
             return [alloc], [tokens]
 
-        return self._step_call(epoch, client_id, call_id, "prefill", run, mode, probe)
+        digest = _digest("prefill", rid, tokens, cache_salt, mode, probe is not None)
+        return self._step_call(epoch, client_id, call_id, "prefill", run, mode, probe, digest)
 
     def prefill_batch(
         self,
@@ -217,12 +325,17 @@ class Coordinator:
         """:meth:`prefill` of several requests in one step (each with its own owner plan)."""
 
         def run():
-            allocs = self._core.allocate_extend_batch(items, cache_salt=cache_salt)
+            keyed = self._keyed_items(client_id, items)
+            for (rid, tokens), (key, _) in zip(items, keyed, strict=True):
+                self._check_step_tokens(rid, tokens, probe)
+                self._check_not_failed(key)
+            allocs = self._core.allocate_extend_batch(keyed, cache_salt=cache_salt)
             for a in allocs:
                 self._leases.hold(client_id, a.rid)
             return allocs, [t for _, t in items]
 
-        return self._step_call(epoch, client_id, call_id, "prefill", run, mode, probe)
+        digest = _digest("prefill_batch", _items_digest(items), cache_salt, mode)
+        return self._step_call(epoch, client_id, call_id, "prefill", run, mode, probe, digest)
 
     def decode(
         self,
@@ -241,47 +354,65 @@ class Coordinator:
         """
 
         def run():
-            slots = self._core.allocate_decode(rids, token_ids)
-            return slots, None
+            keys = self._keys(client_id, rids)
+            self._check_step_tokens(rids, token_ids, probe)
+            for key in keys:
+                self._check_not_failed(key)
+            slots = self._core.allocate_decode(keys, token_ids)
+            return slots, keys
 
+        digest = _digest("decode_step", _rids_digest(rids), token_ids, mode)
         return self._step_call(
-            epoch, client_id, call_id, "decode", run, mode, probe, decode=(rids, token_ids)
+            epoch, client_id, call_id, "decode", run, mode, probe, digest, decode=token_ids
         )
 
-    def _step_call(self, epoch, client_id, call_id, op, run, mode, probe, decode=None) -> Any:
+    def _step_call(
+        self, epoch, client_id, call_id, op, run, mode, probe, digest, decode=None
+    ) -> Any:
         """:meth:`_call` whose decision is followed by a step on every lane; the answer holds
         each lane's handle to its step result."""
         if epoch != self.epoch:
             return self._restarted(epoch)
         if mode not in MODES:
             return InvalidRequestError(f"mode={mode!r}; expected one of {MODES}")
+        with self._lock:
+            self._settle_steps()  # a step that failed since: its group is rebuilt first
         group = self._ensure_group()
         if isinstance(group, CPKVError):
             return group
 
         def decide_and_submit() -> dict:
             made, given = run()
-            self._dispatch(op)  # NOTE: the page moves are queued before the step
+            self._dispatch(op, client_id)  # NOTE: the page moves are queued before the step
             if decode is None:
                 seqs, answer = self._extend_sequences(made, given), {"allocations": made}
             else:
-                seqs, answer = self._decode_sequences(*decode), {"slots": made}
+                seqs, answer = self._decode_sequences(given, decode), {"slots": made}
             self._step_count += 1
             shared = self._share(StepInput(self._step_count, group, tuple(seqs), mode, probe))
-            answer["lanes"] = [
-                self._channel.submit(r, "step", shared) for r in range(self.config.cp_size)
-            ]
+            handles = [self._channel.submit(r, "step", shared) for r in range(self.config.cp_size)]
+            self._track_step(self._step_count, seqs, handles)
+            answer["lanes"] = handles
             return answer
 
-        answer = self._call(epoch, client_id, call_id, op, decide_and_submit)
+        answer = self._call(
+            epoch, client_id, call_id, op, decide_and_submit, digest, self._step_reply_bytes
+        )
         if isinstance(answer, dict):
             # The sender submits the steps after the lock is released; the remembered answer
-            # (the same dict) then holds the handles for a retried call too.
+            # (the same dict) then holds the result handles for a retried call too.
             answer["lanes"] = [
-                f.result(timeout=self._timeout_s) if isinstance(f, Future) else f
+                _result_handle(f.result(timeout=self._timeout_s)) if isinstance(f, Future) else f
                 for f in answer["lanes"]
             ]
         return answer
+
+    def _step_reply_bytes(self, answer: Any) -> int:
+        """What a step's remembered reply pins: its logits (and probe outputs)."""
+        if not isinstance(answer, dict):
+            return 0
+        rows = len(answer.get("allocations", ())) or len(answer.get("slots", ()))
+        return 4 * rows * (self.vocab_size or 1024)
 
     def _extend_sequences(self, allocs: list[ExtendAllocation], given: list) -> list[StepSequence]:
         seqs, start = [], 0
@@ -299,14 +430,140 @@ class Coordinator:
             start += n
         return seqs
 
-    def _decode_sequences(self, rids, token_ids) -> list[StepSequence]:
+    def _decode_sequences(self, keys: list, token_ids) -> list[StepSequence]:
         seqs = []
-        toks = np.zeros(len(rids), np.int64) if token_ids is None else np.asarray(token_ids)
-        for i, rid in enumerate(rids):
-            n = self._core.request_len(rid)
+        toks = np.zeros(len(keys), np.int64) if token_ids is None else np.asarray(token_ids)
+        for i, key in enumerate(keys):
+            n = self._core.request_len(key)
             tok = toks[i : i + 1].astype(np.int64)
-            seqs.append(StepSequence(rid, n - 1, 1, self._core.request_pages(rid), tok, i))
+            seqs.append(StepSequence(key, n - 1, 1, self._core.request_pages(key), tok, i))
         return seqs
+
+    # ---------------------------------------------------------- step outcomes
+    def _track_step(self, step_id: int, seqs: list[StepSequence], handles: list) -> None:
+        """Remember a dispatched step until every lane has answered it (lock held)."""
+        lengths = []
+        for s in seqs:
+            track = self._tracks.get(s.rid)
+            if track is None:
+                track = self._tracks[s.rid] = _Track(written=s.prefix_len)
+            track.inflight += 1
+            lengths.append((s.rid, s.prefix_len + s.extend_len))
+        self._inflight[step_id] = _InflightStep(step_id, lengths, handles)
+
+    def _settle_steps(self) -> None:
+        """Take in the outcome of every step whose lanes have all answered, or one of which
+        failed: a success makes its K/V written, a failure marks its requests failed and
+        the lane group stale (the lanes left it). Never blocks; lock held."""
+        if not self._inflight:
+            return
+        transport = self._channel.transport
+        for sid in sorted(self._inflight):
+            st = self._inflight[sid]
+            if not all(f.done() for f in st.handles):
+                continue
+            error: BaseException | None = next(
+                (f.exception() for f in st.handles if f.exception() is not None), None
+            )
+            statuses = [] if error is not None else [f.result()[0] for f in st.handles]
+            done = transport.done(statuses) if statuses else []
+            for handle, is_done in zip(statuses, done, strict=True):
+                if is_done and error is None:
+                    try:
+                        transport.result(handle, 0.0)
+                    except Exception as e:  # the lane's own error, or its death
+                        error = e
+            if error is None and not all(done):
+                continue
+            del self._inflight[sid]
+            if error is None:
+                for key, length in st.lengths:
+                    track = self._tracks.get(key)
+                    if track is not None:
+                        track.written = max(track.written, length)
+                        track.inflight -= 1
+                continue
+            self.num_failed_steps += 1
+            self._group_id = None  # every lane left the group: build a new one
+            detail = f"step {sid} failed: {type(error).__name__}: {str(error)[:300]}"
+            logger.warning("%s; its requests are marked failed", detail)
+            for key, _length in st.lengths:
+                track = self._tracks.pop(key, None)
+                if track is not None and self._core.has_request(key):
+                    self._failed[key] = (detail, track.written)
+
+    def _check_not_failed(self, key: Hashable) -> None:
+        failed = self._failed.get(key)
+        if failed is not None:
+            raise StepFailedError(user_rid(key), failed[0])
+
+    def _written_len(self, key: Hashable) -> int | None:
+        """Tokens of ``key`` whose K/V is known written; ``None`` when nothing limits it."""
+        failed = self._failed.get(key)
+        if failed is not None:
+            return failed[1]
+        track = self._tracks.get(key)
+        if track is not None and track.inflight:
+            return track.written
+        return None
+
+    def _client_writes(self, key: Hashable) -> None:
+        """A plain allocation: the client writes this K/V itself (nothing to wait for)."""
+        track = self._tracks.get(key)
+        if track is not None and not track.inflight:
+            del self._tracks[key]
+
+    def _forget_request(self, key: Hashable) -> None:
+        self._tracks.pop(key, None)
+        self._failed.pop(key, None)
+
+    def _check_step_tokens(self, rid, tokens, probe) -> None:
+        """The second line behind the client's check: ids the model has (a bad id would fail
+        the lanes' embedding, or assert on a GPU, after the pages were decided)."""
+        if probe is None and tokens is not None and self.vocab_size is not None:
+            check_vocab(as_token_array(tokens), self.vocab_size, name=f"token_ids[{rid!r}]")
+
+    # ------------------------------------------------------------- namespaces
+    def _namespace_id(self, ns: str) -> int:
+        """Lock held."""
+        ns_id = self._namespace_ids.get(ns)
+        if ns_id is None:
+            ns_id = self._namespace_ids[ns] = len(self._namespace_ids) + _NO_NAMESPACE_ID + 1
+        return ns_id
+
+    def _namespace(self, client_id: str | None) -> str | None:
+        if client_id is None:
+            return None
+        return self._namespaces.get(client_id, client_id)
+
+    def _key(self, client_id: str | None, rid) -> Hashable:
+        """The core's key of the caller's ``rid``: its id inside the caller's namespace."""
+        rid = check_rid(rid)
+        ns = self._namespace(client_id)
+        return rid if ns is None else RequestKey(ns, rid)
+
+    def _keys(self, client_id: str | None, rids) -> list[Hashable]:
+        if isinstance(rids, (str, bytes)) or not isinstance(rids, (list, tuple)):
+            raise InvalidRequestError(f"rids must be a list of request ids, got {rids!r:.60}")
+        return [self._key(client_id, rid) for rid in rids]
+
+    def _keyed_items(self, client_id: str | None, items) -> list[tuple[Hashable, Any]]:
+        if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
+            raise InvalidRequestError(f"a batch is a list of (rid, tokens), got {items!r:.60}")
+        for i, item in enumerate(items):
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise InvalidRequestError(f"batch item {i} = {item!r:.60} is not (rid, tokens)")
+        return [(self._key(client_id, rid), tokens) for rid, tokens in items]
+
+    def _owner_id(self, client_id: str | None) -> int:
+        ns = self._namespace(client_id)
+        return _NO_NAMESPACE_ID if ns is None else self._namespace_id(ns)
+
+    def lane_fence(self) -> list[tuple[str | None, int]]:
+        """Per lane, the last page move queued: a client's write waits for its lane to get
+        there (the moves that gave it its pages travel on another path than its write)."""
+        with self._lock:
+            return self._channel.fence()
 
     def _share(self, obj: Any) -> Any:
         share = getattr(self._transport, "share", None)
@@ -355,9 +612,11 @@ class Coordinator:
         )
 
     def renew_lease(self, client_id: str) -> bool:
-        """Push the client's lease out; False when it has none (lapsed, or a new coordinator)."""
-        with self._lock:
-            return self._leases.renew(client_id, self._clock())
+        """Push the client's lease out; False when it has none (lapsed, or a new coordinator).
+
+        NOTE: takes only the lease table's lock: a renewal never waits behind a decision.
+        """
+        return self._leases.renew(client_id, self._clock())
 
     def close_lease(self, client_id: str) -> int:
         """End a client's lease and free the requests it still holds; returns how many."""
@@ -368,9 +627,25 @@ class Coordinator:
             return len(rids)
 
     def expire_leases(self) -> int:
-        """Free the requests of every client whose lease lapsed; returns how many."""
+        """Free the requests of every client whose lease lapsed; returns how many.
+
+        A lease past its expiry is first checked with the liveness probe (when there is
+        one): a client whose process is alive and running but did not renew (its renewer
+        starved by a busy interpreter) keeps its lease; a stopped, dead or unknown one
+        lapses. The probe runs without the lock.
+        """
+        now = self._clock()
+        due = self._leases.due(now)
+        if not due:
+            return 0
+        alive = set()
+        if self._liveness is not None:
+            for client_id, holder in due.items():
+                if holder is not None and _safe_probe(self._liveness, holder) is True:
+                    alive.add(client_id)
+                    self._leases.extend(client_id, now)
         with self._lock:
-            lapsed = self._leases.expire(self._clock())
+            lapsed = self._leases.expire(now, only=set(due) - alive)
             freed = 0
             for client_id, rids in lapsed.items():
                 logger.warning(
@@ -384,8 +659,11 @@ class Coordinator:
                 self._dispatch("lease")
             return freed
 
-    def report_lane_failure(self, epoch: str, lane: int, detail: str = "") -> Any:
-        """A client saw ``lane`` fail: confirm with a probe; return the rids lost with it."""
+    def report_lane_failure(
+        self, epoch: str, lane: int, detail: str = "", client_id: str | None = None
+    ) -> Any:
+        """A client saw ``lane`` fail: confirm with a probe; return the caller's requests lost
+        with it (those of its namespace, as it named them)."""
         if epoch != self.epoch:
             return self._restarted(epoch)
         # NOTE: probe() fails the lane itself when it finds it dead or restarted; failing
@@ -393,7 +671,8 @@ class Coordinator:
         logger.info("a client reports lane %d failing: %s", lane, detail)
         self._health.probe(lane, self._timeout_s)
         with self._lock:
-            return self._core.lost_rids(lane)
+            ns = self._namespace(client_id)
+            return [user_rid(k) for k in self._core.lost_rids(lane) if _namespace_of(k) == ns]
 
     # ---------------------------------------------------------------- status
     def stats(self) -> dict:
@@ -414,6 +693,10 @@ class Coordinator:
             out["num_leases"] = self._leases.num_leases
             out["leases_expired"] = self._leases.num_expired_requests
             out["leases_lapsed"] = self._leases.num_expired_leases
+            out["leases_kept_alive"] = self._leases.num_kept_alive
+            out["failed_steps"] = self.num_failed_steps
+            out["steps_in_flight"] = len(self._inflight)
+            out["hung_lanes"] = self._health.num_hung
             return out
 
     def check(self) -> dict:
@@ -470,50 +753,101 @@ class Coordinator:
         call_id: Hashable,
         op: str,
         run: Callable[[], Any],
+        digest: int | None = None,
+        size: Callable[[Any], int] | None = None,
     ) -> Any:
+        """Decide one call under the lock, remember its answer for a repeat of the call.
+
+        A call is named by ``(client_id, call_id)``; a repeat must ask the same thing (the
+        same ``op`` and argument ``digest``): it then gets the first answer and changes
+        nothing; a call id reused for something else is refused.
+        """
         if epoch != self.epoch:
             return self._restarted(epoch)
         with self._lock:
-            if call_id is not None and call_id in self._replies:
-                return self._replies.get(call_id)
+            self._settle_steps()
+            key = None if call_id is None else (client_id, call_id)
+            if key is not None and key in self._replies:
+                return self._repeat(key, op, digest, call_id)
             lapsed = self._lapse_notice(client_id)
             if lapsed is not None:
-                if call_id is not None:  # a retry of this call gets the same notice
-                    self._replies.put(call_id, lapsed)
+                if key is not None:  # a retry of this call gets the same notice
+                    self._replies.put(key, lapsed, tag=(op, digest))
                 return lapsed
             self._health.fail_moves()
             try:
-                answer = run()
+                answer = self._for_caller(run())
             except CPKVError as e:
-                answer = e
-            self._dispatch(op)
-            if call_id is not None:
-                self._replies.put(call_id, answer)
+                answer = self._for_caller(e)
+            self._dispatch(op, client_id)
+            if key is not None:
+                nbytes = size(answer) if size is not None else 0
+                self._replies.put(key, answer, tag=(op, digest), nbytes=nbytes)
         if self._channel.num_pending > _MAX_PENDING_MOVES:
             self._channel.wait_oldest(self._timeout_s)  # back-pressure, without the lock
         return answer
 
+    def _repeat(self, key: tuple, op: str, digest: int | None, call_id: Hashable) -> Any:
+        """The answer to a repeated call (lock held)."""
+        first_op, first_digest = self._replies.tag(key)
+        if (first_op, first_digest) != (op, digest):
+            return InvalidRequestError(
+                f"call_id={call_id!r} was first a {first_op!r} call with other arguments; "
+                f"a call id names one call (this {op!r} call was not run)"
+            )
+        answer = self._replies.get(key)
+        if answer is DROPPED:
+            return InvalidRequestError(
+                f"call_id={call_id!r} was answered and took effect; its reply is no longer "
+                "kept (a retry must come sooner)"
+            )
+        return answer
+
+    def _for_caller(self, answer: Any) -> Any:
+        """The answer as the caller names its requests (its ids, not the namespaced keys)."""
+        if isinstance(answer, ExtendAllocation) and isinstance(answer.rid, RequestKey):
+            return dataclasses.replace(answer, rid=answer.rid.rid)
+        if isinstance(answer, list) and answer and isinstance(answer[0], ExtendAllocation):
+            return [self._for_caller(a) for a in answer]
+        if isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], list):
+            return self._for_caller(answer[0]), answer[1]  # a step's (allocations, tokens)
+        if isinstance(answer, LaneUnavailableError):
+            rids = [user_rid(k) for k in answer.rids]
+            return LaneUnavailableError(answer.lane, rids, answer.detail)
+        if isinstance(answer, LeaseExpiredError):
+            return LeaseExpiredError([user_rid(k) for k in answer.rids])
+        return answer
+
     def _lapse_notice(self, client_id: str | None) -> LeaseExpiredError | None:
-        """Renew the caller's lease; if it had lapsed, reopen it and say what was freed."""
+        """Renew the caller's lease; if it lapsed since its last call, say what was freed.
+
+        NOTE: the notice is consumed here only, by a call of that client: its renewer
+        reopening the lease (``hello``) does not hide it.
+        """
         if client_id is None:
             return None
         now = self._clock()
-        if self._leases.renew(client_id, now):
+        rids = self._leases.take_lapse(client_id, now)
+        if rids is None:
+            self._leases.renew(client_id, now)
             return None
-        rids = self._leases.reopen_lapsed(client_id, now)
-        return None if rids is None else LeaseExpiredError(rids)
+        return LeaseExpiredError([user_rid(k) for k in rids])
 
     def _free_quietly(self, rids: list[Hashable]) -> None:
         for rid in rids:
             self._leases.release(rid)
+            self._forget_request(rid)
             with contextlib.suppress(CPKVError):  # freed meanwhile
                 self._core.free(rid, cache=False)
 
-    def _dispatch(self, op: str) -> None:
-        """Queue each lane its page moves (the lanes apply them in this order)."""
+    def _dispatch(self, op: str, client_id: str | None = None) -> None:
+        """Queue each lane its page moves (the lanes apply them in this order); pages taken
+        belong to the caller's namespace."""
+        cached = self._core.drain_cached_pages()
+        owner = self._owner_id(client_id)
         for r, (taken, released) in enumerate(self._core.drain_page_moves()):
-            if taken.size or released.size:
-                self._channel.send_moves(r, taken, released, op)
+            if taken.size or released.size or cached[r].size:
+                self._channel.send_moves(r, taken, released, op, owner, cached[r])
 
     def _held_per_lane(self) -> list[int]:
         free = self._core.num_free_pages_per_lane()
@@ -523,6 +857,8 @@ class Coordinator:
         del why
         self._group_id = None
         lost = self._core.drop_lane(lane)
+        for key in lost:
+            self._forget_request(key)
         self._core.set_lane_available(lane, False)
         self._dispatch("lane_lost")
         # NOTE: leases keep the lost rids until freed: an expiry acknowledges them too.
@@ -546,3 +882,45 @@ def _device_id(info: dict) -> str:
     if not info["device"].startswith("cuda"):
         return "cpu"
     return f"{info['node_id']}/cuda:{','.join(info['gpu_ids'])}"
+
+
+def _namespace_of(key: Hashable) -> str | None:
+    return key.namespace if isinstance(key, RequestKey) else None
+
+
+def _result_handle(handle: Any) -> Any:
+    """A lane step gives ``(status, result)`` handles: the client reads the result."""
+    return handle[1] if isinstance(handle, (list, tuple)) else handle
+
+
+def _digest(*parts: Any) -> int:
+    """A cheap fingerprint of a call's arguments: a call id repeated with other arguments is
+    a client bug to refuse, not a retry (CRC32 of the token bytes: 0.1 ms for 128k ids)."""
+    crc = 0
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            crc = zlib.crc32(np.ascontiguousarray(part).astype(np.int64, copy=False).data, crc)
+        elif isinstance(part, (list, tuple)) and part and isinstance(part[0], (int, np.integer)):
+            crc = zlib.crc32(np.asarray(part, dtype=np.int64).data, crc)
+        else:
+            crc = zlib.crc32(repr(part).encode(), crc)
+    return crc
+
+
+def _items_digest(items: Any) -> int:
+    try:
+        return _digest(*(x for item in items for x in item))
+    except TypeError:
+        return _digest(repr(items))
+
+
+def _rids_digest(rids: Any) -> int:
+    return _digest(repr(list(rids)) if isinstance(rids, (list, tuple)) else repr(rids))
+
+
+def _safe_probe(probe: Callable[[dict], bool | None], holder: dict) -> bool | None:
+    try:
+        return probe(holder)
+    except Exception:
+        logger.debug("liveness probe failed", exc_info=True)
+        return None

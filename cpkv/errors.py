@@ -16,6 +16,7 @@ __all__ = [
     "LaneUnavailableError",
     "LeaseExpiredError",
     "RequestTimeoutError",
+    "StepFailedError",
 ]
 
 
@@ -127,7 +128,42 @@ class LeaseExpiredError(CPKVError, RuntimeError):
 
 
 class RequestTimeoutError(CPKVError, TimeoutError):
-    """A client call got no answer in time (the actor is hung, dead or overloaded)."""
+    """A client call got no answer in time (the actor is hung, dead or overloaded).
+
+    Attributes:
+        call_id: the call's id when it was a coordinator call that may have taken effect:
+            pass it back (``call_id=err.call_id``) to retry the call safely (a call the
+            coordinator already answered gives the same answer, never a second effect).
+    """
+
+    def __init__(self, message: str, call_id=None) -> None:
+        self.message = message
+        self.call_id = call_id
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (_rebuild, (RequestTimeoutError, (self.message, self.call_id), {}))
+
+
+class StepFailedError(CPKVError, RuntimeError):
+    """A prefill or decode step of this request failed (or was aborted) on the lanes.
+
+    Its K/V from that step on was not written: every later extend, prefill or decode of
+    the request raises this error again; :meth:`free` acknowledges it (only pages whose
+    K/V was written may enter the prefix cache). Submit the request again.
+
+    Attributes:
+        rid: the request.
+        detail: what failed, and where.
+    """
+
+    def __init__(self, rid: Hashable, detail: str = "") -> None:
+        self.rid = rid
+        self.detail = detail
+        super().__init__(f"a step of request {rid!r} failed: {detail}; free it and submit again")
+
+    def __reduce__(self):
+        return (_rebuild, (StepFailedError, (self.rid, self.detail), {}))
 
 
 def _rebuild(cls, args, kwargs):

@@ -71,6 +71,10 @@ class LaneChannel:
         self._sender = threading.Thread(target=self._send_loop, daemon=True, name="cpkv-sender")
         self._sender.start()
 
+    @property
+    def transport(self) -> LaneTransport:
+        return self._transport
+
     def reset_counters(self) -> None:
         """Zero the call counts (the pool was reset)."""
         self.num_calls = 0
@@ -87,8 +91,19 @@ class LaneChannel:
             self._pending = deque(p for p in self._pending if p[0] != lane)
         return gen
 
-    def send_moves(self, lane: int, taken: np.ndarray, released: np.ndarray, op: str) -> int:
+    def send_moves(
+        self,
+        lane: int,
+        taken: np.ndarray,
+        released: np.ndarray,
+        op: str,
+        owner: int = 0,
+        cached: np.ndarray | None = None,
+    ) -> int:
         """Queue one page move for ``lane``; returns its sequence number.
+
+        ``taken`` pages go to namespace ``owner``; ``cached`` pages leave their request
+        for the prefix cache (nobody may write them from then on).
 
         NOTE: callers queue moves in decision order (under the coordinator's lock);
         the sender keeps that order.
@@ -100,10 +115,18 @@ class LaneChannel:
         future: Future = Future()
         with self._pending_lock:
             self._pending.append((lane, gen, seq, future))
-        self._outbox.put((lane, "apply", (gen, seq, taken, released), future))
+        args = (gen, seq, taken, released, owner)
+        if cached is not None and cached.size:
+            args += (cached,)
+        self._outbox.put((lane, "apply", args, future))
         self.num_calls += 1
         self.num_moves_by_op[op] = self.num_moves_by_op.get(op, 0) + 1
         return seq
+
+    def fence(self) -> list[tuple[str | None, int]]:
+        """Per lane ``(generation, sequence number of the last move queued)``: a lane that has
+        applied its move has every page decided so far (clients wait for it before a write)."""
+        return [(g, n - 1) for g, n in zip(self.generations, self._next_seq, strict=True)]
 
     def submit(self, lane: int, method: str, *args: Any) -> Future:
         """Queue any lane call behind those already queued; a future of its handle."""

@@ -39,6 +39,10 @@ class LaneHealth:
         restart_timeout_s: how long a lost lane may take to come back.
         num_pages: the shard size a reset (re)allocates (a restarted lane sized from free
             memory has no shard until then).
+        hang_s: a lane whose heartbeats go unanswered this long is hung: it is killed
+            (``kill``) and brought back like a dead one. ``None``: a slow lane is only
+            counted, never killed.
+        kill: ends a lane's process so that it restarts (Ray: ``ray.kill``).
     """
 
     def __init__(
@@ -50,6 +54,8 @@ class LaneHealth:
         on_back: Callable[[int], None],
         restart_timeout_s: float,
         num_pages: int | None = None,
+        hang_s: float | None = None,
+        kill: Callable[[int], None] | None = None,
     ) -> None:
         cp = channel.cp_size
         self._num_pages = num_pages
@@ -63,6 +69,11 @@ class LaneHealth:
         self.losses: list[tuple[int, list[Hashable]]] = []
         self.mismatches = 0
         self.slow_heartbeats = 0
+        self.num_hung = 0
+        self._hang_s = hang_s
+        self._kill = kill
+        # When each lane last answered a heartbeat (or came back); None while not up.
+        self._last_answer: list[float | None] = [None] * cp
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ states
@@ -101,6 +112,7 @@ class LaneHealth:
         if self.states[lane] != UP:
             return []
         self.states[lane] = RESTARTING
+        self._last_answer[lane] = None
         lost = self._on_lost(lane, why)
         self.losses.append((lane, lost))
         gen = self._channel.new_generation(lane)
@@ -144,6 +156,7 @@ class LaneHealth:
                 return  # lost again meanwhile: a newer recovery owns it
             self.incarnations[lane] = incarnation
             self.states[lane] = UP
+            self._last_answer[lane] = time.monotonic()
             self._on_back(lane)
 
     # --------------------------------------------------------------- heartbeat
@@ -186,10 +199,14 @@ class LaneHealth:
             self.fail_moves()
             expected = expected_held()
             sent = self.send_heartbeats()
+        if self._hang_s is not None:
+            timeout = min(timeout, max(0.1, self._hang_s / 2))
         for r, known, gen, reply in self.replies(sent, timeout):
             if isinstance(reply, TimeoutError):
                 self.slow_heartbeats += 1
+                self._check_hung(r, gen)
                 continue
+            self._last_answer[r] = time.monotonic()
             if isinstance(reply, LaneDeadError):
                 incarnation, held = None, None
             elif isinstance(reply, BaseException):
@@ -203,6 +220,23 @@ class LaneHealth:
             elif held != expected[r]:
                 self.mismatches += 1
                 logger.error("lane %d holds %d pages but the mirror says %d", r, held, expected[r])
+
+    def _check_hung(self, lane: int, gen: str | None) -> None:
+        """A lane silent for ``hang_s`` (alive but not answering: stopped, deadlocked, stuck
+        in a collective) is treated as lost: killed, so that it restarts, and reset."""
+        last = self._last_answer[lane]
+        if self._hang_s is None or last is None or time.monotonic() - last < self._hang_s:
+            return
+        with self._lock:
+            if self._channel.generations[lane] != gen or self.states[lane] != UP:
+                return
+            self.num_hung += 1
+            self.fail(lane, f"hung: no heartbeat answered for {self._hang_s:.1f}s")
+        if self._kill is not None:
+            try:
+                self._kill(lane)
+            except Exception:
+                logger.exception("could not kill hung lane %d", lane)
 
     def fail_moves(self) -> None:
         """Fail the lanes whose page moves came back with an error (caller holds the lock)."""

@@ -8,8 +8,8 @@ the attacker chose, even one who has read this code (vLLM's CVE-2025-25183 was a
 public, unkeyed hash; the one cpkv had before was public and linear).
 
 Construction, per page of ``P`` tokens seen as 32-bit words ``m_i`` (each id is
-one word when every id of the call is below 2**32, as vocabulary ids are; otherwise
-both halves of every int64 id are words, with keys of their own):
+one word when every id of the page is below 2**32, as vocabulary ids are; otherwise
+both halves of every int64 id of that page are words, with keys of their own):
 
     c = ((k0 + sum_i k_i * m_i) mod 2**64) >> 32     (twice, independent keys: 64 bits)
 
@@ -102,13 +102,19 @@ class PageHasher:
         assert tokens.dtype == np.int64, tokens.dtype
         body = np.ascontiguousarray(tokens[: n * ps])
         # NOTE: uint64 matmul wraps mod 2**64, which is what the universal hash needs.
+        # A page's words depend on its own ids only (never on the rest of the call), so
+        # its identity is the same whichever tokens share the call.
+        pages = body.view(np.uint64).reshape(n, ps)
         if int(body.max()) < 2**32:  # 0.2 ms for 128k tokens instead of 0.5
-            sums = body.view(np.uint64).reshape(n, ps) @ self._mult_narrow
+            sums = pages @ self._mult_narrow
             sums += self._add_narrow
         else:
-            words = body.view(np.uint32).reshape(n, 2 * ps).astype(np.uint64)
-            sums = words @ self._mult_wide
-            sums += self._add_wide
+            wide = pages.max(axis=1) >= np.uint64(2**32)
+            sums = np.empty((n, 2), dtype=np.uint64)
+            narrow = ~wide
+            sums[narrow] = pages[narrow] @ self._mult_narrow + self._add_narrow
+            words = body.view(np.uint32).reshape(n, 2 * ps)[wide].astype(np.uint64)
+            sums[wide] = words @ self._mult_wide + self._add_wide
         content = (sums[:, 0] >> _U32) << _U32 | (sums[:, 1] >> _U32)
         running = np.cumsum(content, dtype=np.uint64)
         running += np.uint64(state.running)

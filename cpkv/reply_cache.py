@@ -6,52 +6,89 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
-__all__ = ["ReplyCache"]
+__all__ = ["DROPPED", "ReplyCache"]
 
 _MISSING = object()
 
 
-class ReplyCache:
-    """The last ``capacity`` replies by call key, oldest dropped first.
+class _Dropped:
+    """Stands for a reply given once and no longer kept (the byte bound): the call took
+    effect, and a repeat of it must not run again."""
 
-    The coordinator keys client calls by ``(client id, call number)``; a lane
-    shard keys page moves by their sequence number. A retry comes within a few
-    calls of its original, so a bounded cache is enough.
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DROPPED"
+
+
+DROPPED = _Dropped()
+
+
+class ReplyCache:
+    """The last replies by call key, oldest dropped first, bounded in count and in bytes.
+
+    The coordinator keys client calls by ``(client id, call id)`` and tags each reply
+    with what was asked (so a call id reused for another call is caught); a lane shard
+    keys page moves by their sequence number. A retry comes within a few calls of its
+    original, so a bounded cache is enough.
 
     Args:
         capacity: replies kept (>= 1).
+        max_bytes: bytes of replies kept (each reply's size as given to :meth:`put`);
+            ``None`` for no bound. Past it the oldest replies are replaced by :data:`DROPPED`
+            (their keys stay, so a repeat is still recognised, never run twice).
     """
 
-    __slots__ = ("_replies", "capacity", "num_hits")
+    __slots__ = ("_replies", "capacity", "max_bytes", "nbytes", "num_hits")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int | None = None) -> None:
         assert capacity >= 1, capacity
+        assert max_bytes is None or max_bytes >= 0, max_bytes
         self.capacity = capacity
-        self._replies: OrderedDict[Hashable, Any] = OrderedDict()
+        self.max_bytes = max_bytes
+        self._replies: OrderedDict[Hashable, tuple[Any, Any, int]] = OrderedDict()
+        self.nbytes = 0
         self.num_hits = 0
 
     def get(self, key: Hashable, default: Any = _MISSING) -> Any:
         """The reply remembered for ``key``; ``default`` (or KeyError) when there is none."""
-        reply = self._replies.get(key, _MISSING)
-        if reply is _MISSING:
+        entry = self._replies.get(key)
+        if entry is None:
             if default is _MISSING:
                 raise KeyError(key)
             return default
         self.num_hits += 1
-        return reply
+        return entry[0]
+
+    def tag(self, key: Hashable) -> Any:
+        """The tag :meth:`put` stored beside ``key``'s reply (KeyError when none)."""
+        return self._replies[key][1]
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._replies
 
-    def put(self, key: Hashable, reply: Any) -> Any:
-        """Remember ``reply`` for ``key``; returns it."""
-        self._replies[key] = reply
-        if len(self._replies) > self.capacity:
-            self._replies.popitem(last=False)
+    def put(self, key: Hashable, reply: Any, *, tag: Any = None, nbytes: int = 0) -> Any:
+        """Remember ``reply`` (of ``nbytes``) for ``key`` with ``tag``; returns it."""
+        old = self._replies.pop(key, None)
+        if old is not None:
+            self.nbytes -= old[2]
+        self._replies[key] = (reply, tag, nbytes)
+        self.nbytes += nbytes
+        while len(self._replies) > self.capacity:
+            _, (_, _, size) = self._replies.popitem(last=False)
+            self.nbytes -= size
+        if self.max_bytes is not None and self.nbytes > self.max_bytes:
+            for k, (_reply, old_tag, size) in self._replies.items():
+                if size:
+                    self._replies[k] = (DROPPED, old_tag, 0)
+                    self.nbytes -= size
+                    if self.nbytes <= self.max_bytes:
+                        break
         return reply
 
     def clear(self) -> None:
         self._replies.clear()
+        self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._replies)

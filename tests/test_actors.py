@@ -142,8 +142,8 @@ def test_repeated_call_id_allocates_nothing_twice(make_client):
     ray = c._ray
     tokens = np.arange(40)
     call = (c._epoch, c.client_id, ("retry", 1), "r", tokens, None)
-    first = ray.get(coord.allocate_extend.remote(*call))
-    again = ray.get(coord.allocate_extend.remote(*call))
+    first, _ = ray.get(coord.allocate_extend.remote(*call))  # (answer, lanes' move fence)
+    again, _ = ray.get(coord.allocate_extend.remote(*call))
     assert again.new_pages.tolist() == first.new_pages.tolist()
     assert c.stats()["extend_allocations"] == 1
     # A lane move repeated with the same (generation, seq) changes nothing either.
@@ -250,8 +250,9 @@ def test_request_ids_reused_after_free(make_client):
 
 
 def test_two_clients_extend_one_rid_at_once(make_client):
-    c = make_client(name="shared-rid")
-    other = cpkv.connect(**{**DEFAULTS, "name": "shared-rid"})
+    # Clients share request ids only inside one namespace (issue 19.4).
+    c = make_client(name="shared-rid", namespace="job")
+    other = cpkv.connect(**{**DEFAULTS, "name": "shared-rid", "namespace": "job"})
     c.allocate_extend("shared", np.arange(8))
     errors = []
 

@@ -68,6 +68,29 @@ LOCAL = [  # rejected on the caller's side, before any actor call
     ("negative slot", lambda c: c.gather_kv([-5]), "-5"),
     ("layer out of range", lambda c: c.store_kv([40, 41, 42], K, K, layer=3), "layer=3"),
     ("float slots", lambda c: c.gather_kv([1.0, 2.0]), "float"),
+    # issue 19.9: each used to change state, crash, or raise a TypeError
+    ("str as decode rids", lambda c: c.allocate_decode("ab"), "list of request ids"),
+    ("int as decode rids", lambda c: c.allocate_decode(7), "list of request ids"),
+    ("int as batch item", lambda c: c.allocate_extend_batch([7]), "item 0"),
+    ("str as batch", lambda c: c.allocate_extend_batch("ab"), "list of (rid"),
+    ("bool token ids", lambda c: c.allocate_extend("n", [True, 3]), "bool"),
+    ("uint64 id past int64", lambda c: c.allocate_extend("n", [2**64 - 1]), "18446744073709551615"),
+    (
+        "uint64 array id past int64",
+        lambda c: c.allocate_extend("n", np.array([1, 2**63], dtype=np.uint64)),
+        "9223372036854775808",
+    ),
+    (
+        "nan deadline",
+        lambda c: c.allocate_extend_with_backoff("n", [1], deadline_s=float("nan")),
+        "nan",
+    ),
+    (
+        "negative backoff",
+        lambda c: c.allocate_extend_with_backoff("n", [1], initial_backoff_s=-1.0),
+        "-1.0",
+    ),
+    ("nan prefill deadline", lambda c: c.prefill("n", [1], deadline_s=float("nan")), "nan"),
 ]
 REMOTE = [  # need the coordinator's state: one call, answered with the error
     ("unknown rid free", lambda c: c.free("ghost"), "ghost"),

@@ -71,9 +71,13 @@ from cpkv import (
     build_owner_plan,
     in_seq_page_compute_owner_unavailable_reason,
 )
+from cpkv._validate import RequestKey, user_rid
 from cpkv.coordinator import Coordinator
 from cpkv.errors import LeaseExpiredError
 from tests.local_lanes import LocalLaneTransport
+
+SHARED = "shared"  # the namespace of the coordinator machine's clients
+NO_CLIENT = "c-none"
 
 VOCAB = 4
 # Salts of new requests: "s" and b"s" are different salts.
@@ -1470,6 +1474,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
             clock=lambda: self.now,
         )
         self.epoch = self.coord.hello()["epoch"]
+        # The machine's clients share one namespace (the model keeps one table of rids);
+        # "no client" calls come from a third member without a lease.
+        for client in ("c0", "c1", NO_CLIENT):
+            self.coord.hello(client, None, SHARED)
         assert self.coord.lane_states() == ["up"] * cp
         if leases:  # both clients hold leases from the start
             self.hello("c0", 1.0)
@@ -1502,8 +1510,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     def _call(self, method: str, client: str | None, *args) -> object:
         self.next_call += 1
-        answer = getattr(self.coord, method)(self.epoch, client, self.next_call, *args)
-        self.last_call = Call(method, args, client, self.next_call, answer)
+        who = NO_CLIENT if client is None else client
+        answer = getattr(self.coord, method)(self.epoch, who, self.next_call, *args)
+        self.last_call = Call(method, args, who, self.next_call, answer)
         event(f"{method} -> {type(answer).__name__}")
         return answer
 
@@ -1511,15 +1520,17 @@ class CoordinatorMachine(RuleBasedStateMachine):
         """What a client call does to the leases first: renew, or reopen a lapsed one."""
         if client is None:
             return None
+        # NOTE: a remembered lapse is told first, even when the lease was opened again
+        # meanwhile (the client's renewer says hello before its next call: issue 19.6).
+        if client in self.lapsed:
+            lease_s, rids = self.lapsed.pop(client)
+            if client not in self.leases:
+                self.leases[client] = Lease(lease_s, self.now + lease_s)
+            return rids
         lease = self.leases.get(client)
         if lease is not None:
             lease.expires_at = self.now + lease.lease_s
-            return None
-        if client not in self.lapsed:
-            return None
-        lease_s, rids = self.lapsed.pop(client)
-        self.leases[client] = Lease(lease_s, self.now + lease_s)
-        return rids
+        return None
 
     def _expect_lapsed(self, answer: object, rids: list[Hashable]) -> None:
         event("call after a lapsed lease")
@@ -1821,11 +1832,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.close_lease(client)
 
     def hello(self, client: str, lease_s: float | None) -> None:
-        info = self.coord.hello() if lease_s is None else self.coord.hello(client, lease_s)
+        info = self.coord.hello(client, lease_s, SHARED)
         assert info["epoch"] == self.epoch and info["config"] == self.coord.config
         if lease_s is None:
             return
-        self.lapsed.pop(client, None)
         lease = self.leases.get(client)
         if lease is None:
             self.leases[client] = Lease(lease_s, self.now + lease_s)
@@ -1902,7 +1912,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.transport.restart(lane)
         else:
             self.transport.restart(lane)
-            reported = self.coord.report_lane_failure(self.epoch, lane, "seen by a client")
+            reported = self.coord.report_lane_failure(
+                self.epoch, lane, "seen by a client", NO_CLIENT
+            )
         assert self.coord.wait_recovered(5)
         self._lose_lane(lane)
         if reported is not None:
@@ -1917,7 +1929,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     def report_healthy_lane(self, data: st.DataObject) -> None:
         lane = data.draw(st.integers(0, self.cp - 1), label="lane")
-        got = self.coord.report_lane_failure(self.epoch, lane)
+        got = self.coord.report_lane_failure(self.epoch, lane, "", NO_CLIENT)
         assert got == [r for r, x in self.lost.items() if x == lane], got
 
     def kill_lane(self, data: st.DataObject) -> None:
@@ -2004,15 +2016,17 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert self.transport.refused == [], self.transport.refused
         # Requests.
         core = coord._core
-        assert core.request_ids() == list(self.live)
+        assert [user_rid(k) for k in core.request_ids()] == list(self.live)
         assert s["num_requests"] == len(self.live)
         assert s["num_lost_requests"] == len(self.lost)
         for lane in range(cp):
-            assert core.lost_rids(lane) == [r for r, x in self.lost.items() if x == lane]
+            got = [user_rid(k) for k in core.lost_rids(lane)]
+            assert got == [r for r, x in self.lost.items() if x == lane]
         in_use: set[int] = set()
         for rid, m in self.live.items():
-            assert core.request_pages(rid).tolist() == m.pages, (rid, m.pages)
-            assert core.request_len(rid) == len(m.tokens)
+            key = RequestKey(SHARED, rid)
+            assert core.request_pages(key).tolist() == m.pages, (rid, m.pages)
+            assert core.request_len(key) == len(m.tokens)
             in_use.update(m.pages)
         cached = {int(p) for p in core._cache.all_pages()}
         assert lane_counts(cached, cp).tolist() == s["cached"]
@@ -2045,13 +2059,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
         table = coord._leases
         for client, lease in self.leases.items():
             got = table._leases[client]
-            assert (got.lease_s, got.expires_at, got.rids) == (
+            assert (got.lease_s, got.expires_at, {user_rid(k) for k in got.rids}) == (
                 lease.lease_s,
                 lease.expires_at,
                 lease.rids,
             )
         for rid in C_RIDS:
-            assert table.owner(rid) == self.owner.get(rid), rid
+            assert table.owner(RequestKey(SHARED, rid)) == self.owner.get(rid), rid
 
 
 _SETTINGS = settings(

@@ -87,3 +87,27 @@ def test_salted_requests_share_only_with_their_salt():
     with pytest.raises(ValueError, match="cache_salt"):
         a.allocate_extend("t1b", [1, 2], cache_salt="tenant-9")  # fixed at creation
     a.check_invariants()
+
+
+def test_a_page_hash_depends_only_on_that_page_and_its_parents():
+    """One large id elsewhere in the call must not re-key the other pages (issue 19.10)."""
+    h = PageHasher(4, key=bytes(32))
+    small = [1, 2, 3, 4, 5, 6, 7, 8]
+    alone = hashes(h, small)
+    with_wide_tail = hashes(h, [*small, 9, 10, 11, 2**40])
+    assert np.array_equal(with_wide_tail[:2], alone)
+    # and a wide page hashes alike however it is split across calls
+    wide = np.array([2**33, 1, 2, 3, 4, 5, 6, 7], dtype=np.int64)
+    whole, _ = h.hash_pages(wide, h.start())
+    first, mid = h.hash_pages(wide[:4], h.start())
+    second, _ = h.hash_pages(wide[4:], mid)
+    assert np.array_equal(whole, np.concatenate([first, second]))
+
+
+def test_cached_prefix_hits_whatever_ids_follow_it():
+    a = CPAllocator(2, 4, 64, hash_key=bytes(32))
+    prompt = list(range(1, 17))
+    a.allocate_extend("a", prompt)
+    a.free("a")
+    hit = a.allocate_extend("b", [*prompt, 2**40, 3])
+    assert hit.cached_len == 16

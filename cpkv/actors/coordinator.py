@@ -13,6 +13,7 @@ import logging
 import ray
 
 from cpkv._ray_env import NAMESPACE
+from cpkv.actors.liveness import ProcessLiveness
 from cpkv.actors.transport import RayLaneTransport
 from cpkv.config import CPConfig, KVShape
 from cpkv.coordinator import Coordinator
@@ -50,8 +51,16 @@ class _Metrics:
 
 
 # NOTE: threaded, so stats() and check() answer while another call waits on a lane;
-# every method takes the coordinator's lock for its state.
-@ray.remote(num_cpus=0, max_restarts=2, max_task_retries=0, max_concurrency=16)
+# every method takes the coordinator's lock for its state. Leases and status have
+# concurrency groups of their own: a renewal or stats() never waits for a free thread
+# behind calls stuck on a lane (a hung lane must not lapse every idle client's lease).
+@ray.remote(
+    num_cpus=0,
+    max_restarts=2,
+    max_task_retries=0,
+    max_concurrency=16,
+    concurrency_groups={"lease": 2, "status": 2},
+)
 class CoordinatorActor:
     """Delegates to :class:`cpkv.coordinator.Coordinator`.
 
@@ -61,6 +70,8 @@ class CoordinatorActor:
         lane_names: the lane actors' names (namespace ``cpkv``), one per CP rank.
         heartbeat_s: seconds between heartbeats and lease checks (0 turns them off).
         lane_restart_timeout_s: how long to wait for a dead lane to come back.
+        lane_hang_s: a lane silent this long is killed and reset (``None``: never).
+        vocab_size: the model's vocabulary, checked in every step's token ids.
     """
 
     def __init__(
@@ -70,6 +81,8 @@ class CoordinatorActor:
         lane_names: list[str],
         heartbeat_s: float = 1.0,
         lane_restart_timeout_s: float = 60.0,
+        lane_hang_s: float | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         assert len(lane_names) == config.cp_size, (len(lane_names), config.cp_size)
         self._lane_names = list(lane_names)
@@ -81,23 +94,35 @@ class CoordinatorActor:
             RayLaneTransport(self._lanes),
             heartbeat_s=heartbeat_s,
             lane_restart_timeout_s=lane_restart_timeout_s,
+            lane_hang_s=lane_hang_s,
+            vocab_size=vocab_size,
+            liveness=ProcessLiveness(),
         )
 
-    def hello(self, client_id: str | None = None, lease_s: float | None = None) -> dict:
+    @ray.method(concurrency_group="lease")
+    def hello(
+        self,
+        client_id: str | None = None,
+        lease_s: float | None = None,
+        namespace: str | None = None,
+        holder: dict | None = None,
+    ) -> dict:
         return {
-            **self._c.hello(client_id, lease_s),
+            **self._c.hello(client_id, lease_s, namespace, holder),
             "lanes": self._lanes,
             "lane_names": self._lane_names,
         }
 
+    # Allocations answer with the lanes' move fence: the client's writes to the pages wait
+    # for it (see LaneShard.store_kv).
     def allocate_extend(self, *args):
-        return self._c.allocate_extend(*args)
+        return self._c.allocate_extend(*args), self._c.lane_fence()
 
     def allocate_extend_batch(self, *args):
-        return self._c.allocate_extend_batch(*args)
+        return self._c.allocate_extend_batch(*args), self._c.lane_fence()
 
     def allocate_decode(self, *args):
-        return self._c.allocate_decode(*args)
+        return self._c.allocate_decode(*args), self._c.lane_fence()
 
     def free(self, *args):
         return self._c.free(*args)
@@ -111,29 +136,36 @@ class CoordinatorActor:
     def decode(self, *args):
         return self._c.decode(*args)
 
+    @ray.method(concurrency_group="lease")
     def renew_lease(self, client_id: str) -> bool:
         return self._c.renew_lease(client_id)
 
     def close_lease(self, client_id: str) -> int:
         return self._c.close_lease(client_id)
 
-    def report_lane_failure(self, epoch: str, lane: int, detail: str = ""):
-        return self._c.report_lane_failure(epoch, lane, detail)
+    def report_lane_failure(
+        self, epoch: str, lane: int, detail: str = "", client_id: str | None = None
+    ):
+        return self._c.report_lane_failure(epoch, lane, detail, client_id)
 
+    @ray.method(concurrency_group="status")
     def stats(self) -> dict:
         out = self._c.stats()
         self._metrics.update(out)
         return out
 
+    @ray.method(concurrency_group="status")
     def check(self) -> dict:
         return self._c.check()
 
     def reset(self) -> None:
         self._c.reset()
 
+    @ray.method(concurrency_group="status")
     def epoch(self) -> str:
         return self._c.epoch
 
+    @ray.method(concurrency_group="status")
     def ping(self) -> None:
         """A no-op round trip."""
 

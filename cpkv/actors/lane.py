@@ -63,8 +63,16 @@ class LaneActor:
         self._worker = LaneWorker(lane, cp_size, self._device, loaded)
 
     # ---------------------------------------------------------------- pages
-    def apply(self, generation: str, seq: int, taken: np.ndarray, released: np.ndarray) -> int:
-        return self._shard.apply(generation, seq, taken, released)
+    def apply(
+        self,
+        generation: str,
+        seq: int,
+        taken: np.ndarray,
+        released: np.ndarray,
+        owner: int = 0,
+        cached: np.ndarray | None = None,
+    ) -> int:
+        return self._shard.apply(generation, seq, taken, released, owner, cached)
 
     def reset(self, generation: str, num_pages: int | None = None) -> str:
         """Empty the shard (allocating it at ``num_pages`` first if it has another size)."""
@@ -94,11 +102,11 @@ class LaneActor:
         return max(0, int((budget - _ACTIVATION_RESERVE_BYTES * share) // page_bytes))
 
     # ------------------------------------------------------------------ K/V
-    def store_kv(self, local_slots, k, v, layer: int = 0) -> int:
-        return self._shard.store_kv(local_slots, k, v, layer)
+    def store_kv(self, local_slots, k, v, layer: int = 0, owner=None, fence=None):
+        return self._shard.store_kv(local_slots, k, v, layer, owner, fence)
 
-    def gather_kv(self, local_slots, layer: int = 0):
-        return self._shard.gather_kv(local_slots, layer)
+    def gather_kv(self, local_slots, layer: int = 0, owner=None, fence=None):
+        return self._shard.gather_kv(local_slots, layer, owner, fence)
 
     # ----------------------------------------------------------------- steps
     def rendezvous_address(self) -> tuple[str, int]:
@@ -107,8 +115,12 @@ class LaneActor:
     def init_group(self, group_id: str, host: str, port: int, backend: str, timeout_s: float):
         return self._worker.init_group(group_id, host, port, backend, timeout_s)
 
-    def step(self, step: StepInput) -> dict:
-        return self._worker.step(self._shard, step)
+    @ray.method(num_returns=2)
+    def step(self, step: StepInput) -> tuple[dict, dict]:
+        """``(status, result)``: the coordinator reads the small status (did the step write
+        its K/V?), the client the result. A step that fails raises through both."""
+        out = self._worker.step(self._shard, step)
+        return {"step_id": step.step_id, "lane": self._lane}, out
 
     # ---------------------------------------------------------------- status
     def ping(self) -> None:

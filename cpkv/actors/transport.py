@@ -38,6 +38,10 @@ class RayLaneTransport:
         """Put ``obj`` in the object store once, for every lane's call to read."""
         return ray.put(obj)
 
+    def kill(self, lane: int) -> None:
+        """End a hung lane's process; Ray restarts it (the coordinator then resets it)."""
+        ray.kill(self.lanes[lane], no_restart=False)
+
     def done(self, handles: list[ray.ObjectRef]) -> list[bool]:
         if not handles:
             return []

@@ -19,7 +19,13 @@ from cpkv.config import KVShape
 from cpkv.errors import InvalidRequestError
 from cpkv.reply_cache import ReplyCache
 
-__all__ = ["LaneShard", "MoveOrderError"]
+__all__ = ["CACHED", "NOT_YET", "LaneShard", "MoveOrderError"]
+
+# Owner of a page in the prefix cache: readable by every request, writable by none.
+CACHED = -1
+# What store_kv/gather_kv answer when the caller's fence is ahead of the moves applied here
+# (its pages are decided but not yet moved): the caller retries shortly.
+NOT_YET = "not-yet"
 
 # Replies to recent moves, for a repeat after a lost answer: a retry comes within a
 # few calls of its original, so a few thousand is plenty.
@@ -55,6 +61,8 @@ class LaneShard:
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(kv.num_layers)]
         self.incarnation = uuid.uuid4().hex
         self._held = np.zeros(num_pages, dtype=bool)
+        # Namespace id owning each held page (CACHED for the prefix cache, 0 when free).
+        self._owner = np.zeros(num_pages, dtype=np.int32)
         self._replies = ReplyCache(_MAX_REMEMBERED_MOVES)
         # None until the coordinator resets this (re)started shard: moves are refused.
         self.generation: str | None = None
@@ -79,7 +87,15 @@ class LaneShard:
         """Sequence number of the last move applied in this generation (0: none)."""
         return self._next_seq - 1
 
-    def apply(self, generation: str, seq: int, taken: np.ndarray, released: np.ndarray) -> int:
+    def apply(
+        self,
+        generation: str,
+        seq: int,
+        taken: np.ndarray,
+        released: np.ndarray,
+        owner: int = 0,
+        cached: np.ndarray | None = None,
+    ) -> int:
         """Release then take local pages, as the coordinator decided.
 
         Args:
@@ -87,6 +103,8 @@ class LaneShard:
             seq: the move's number in that generation: 1, 2, 3, ... with no gap.
             taken: ``int32`` local pages now held.
             released: ``int32`` local pages now free.
+            owner: the namespace id the taken pages belong to.
+            cached: ``int32`` held pages that went into the prefix cache.
 
         Returns:
             Pages held after the move (a repeat returns the first answer, changing nothing).
@@ -112,10 +130,15 @@ class LaneShard:
         if released.size:
             assert self._held[released].all(), f"lane {self.lane}: releasing free pages"
             self._held[released] = False
+            self._owner[released] = 0
         if taken.size:
             assert (taken != 0).all(), f"lane {self.lane}: reserved page taken"
             assert not self._held[taken].any(), f"lane {self.lane}: taking held pages"
             self._held[taken] = True
+            self._owner[taken] = owner
+        if cached is not None and cached.size:
+            assert self._held[cached].all(), f"lane {self.lane}: caching free pages"
+            self._owner[cached] = CACHED
         self._next_seq += 1
         self.num_applied += 1
         return self._replies.put(seq, self.num_held_pages)
@@ -123,6 +146,7 @@ class LaneShard:
     def reset(self, generation: str) -> str:
         """Every page free, moves numbered from 1 in ``generation``; returns the incarnation."""
         self._held[:] = False
+        self._owner[:] = 0
         self._replies.clear()
         self.generation = generation
         self._next_seq = 1
@@ -138,20 +162,59 @@ class LaneShard:
             if t.dtype != self.k[0].dtype:
                 raise InvalidRequestError(f"{name} has dtype {t.dtype}, expected {self.k[0].dtype}")
 
+    def _check_access(
+        self, local_slots: np.ndarray, owner: int | None, fence, write: bool
+    ) -> str | None:
+        """Refuse slots on pages the caller's namespace does not own (``NOT_YET`` when the
+        moves that may give them are still on their way)."""
+        if fence is not None:
+            generation, seq = fence
+            if generation == self.generation and seq > self.last_seq:
+                return NOT_YET
+        if owner is None or local_slots.size == 0:
+            return None
+        pages = np.clip(local_slots // self.page_size, 0, self.num_pages - 1)
+        owners = self._owner[pages]
+        ok = (owners == owner) & self._held[pages]
+        if not write:
+            ok |= owners == CACHED
+        if not ok.all():
+            i = int(np.argmin(ok))
+            what = (
+                "cached (read-only)"
+                if owners[i] == CACHED
+                else ("free" if not self._held[pages[i]] else "another namespace's")
+            )
+            raise InvalidRequestError(
+                f"lane {self.lane}: local slot {int(local_slots[i])} is on a page that is "
+                f"{what}; {'writes' if write else 'reads'} reach only this client's requests"
+            )
+        return None
+
     def store_kv(
         self,
         local_slots: np.ndarray,
         k: torch.Tensor,
         v: torch.Tensor,
         layer: int = 0,
-    ) -> int:
+        owner: int | None = None,
+        fence: tuple[str, int] | None = None,
+    ) -> int | str:
         """Write K/V ``[T, heads, head_dim]`` of ``T`` tokens at their local slots.
 
         Writing is idempotent (the same values land on the same slots), so a
         retried call needs no key.
 
+        Args:
+            owner: the caller's namespace id: every slot must be on a page of its requests
+                (``None``: unchecked, for tests of the shard alone).
+            fence: ``(generation, seq)`` of the last move the caller's pages depend on.
+
         Returns:
-            Tokens written.
+            Tokens written, or :data:`NOT_YET` when the fence is ahead of this shard.
+
+        Raises:
+            InvalidRequestError: bad shapes, or a slot outside the caller's pages.
         """
         from cpkv import kernels
 
@@ -165,6 +228,8 @@ class LaneShard:
                     f"lane {self.lane}: local slots span [{low}, {high}], valid "
                     f"[{self.page_size}, {bound})"
                 )
+        if self._check_access(slots.numpy(), owner, fence, write=True) is NOT_YET:
+            return NOT_YET
         dev = self.device
         kernels.store_kv(
             k.to(dev).contiguous(),
@@ -176,14 +241,24 @@ class LaneShard:
         return int(slots.numel())
 
     def gather_kv(
-        self, local_slots: np.ndarray, layer: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read K/V ``[T, heads, head_dim]`` at local slots (returned on CPU)."""
+        self,
+        local_slots: np.ndarray,
+        layer: int = 0,
+        owner: int | None = None,
+        fence: tuple[str, int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """Read K/V ``[T, heads, head_dim]`` at local slots (returned on CPU).
+
+        ``owner``/``fence`` as in :meth:`store_kv`; cached pages are readable by everyone.
+        """
         from cpkv import kernels
 
         if not 0 <= layer < self.kv.num_layers:
             raise InvalidRequestError(f"layer={layer} not in [0, {self.kv.num_layers})")
-        slots = torch.from_numpy(np.array(local_slots, dtype=np.int64)).to(self.device)
+        host = np.array(local_slots, dtype=np.int64)
+        if self._check_access(host, owner, fence, write=False) is NOT_YET:
+            return NOT_YET
+        slots = torch.from_numpy(host).to(self.device)
         k, v = kernels.gather_kv(self.k[layer], self.v[layer], slots)
         return k.cpu(), v.cpu()
 

@@ -28,6 +28,28 @@ __all__ = ["LaneGroupError", "LaneWorker"]
 
 logger = logging.getLogger("cpkv.worker")
 
+# Seconds between a device error and this process's exit: long enough for the failed
+# step's error to reach its callers, short enough that no later step runs on the
+# broken context (the lane runs one call at a time).
+_EXIT_DELAY_S = 0.5
+
+
+def _is_device_error(e: BaseException) -> bool:
+    """A CUDA error (a device-side assert, an illegal address): the context is unusable."""
+    accel = getattr(torch, "AcceleratorError", None)
+    if accel is not None and isinstance(e, accel):
+        return True
+    return isinstance(e, RuntimeError) and "CUDA error" in str(e)
+
+
+def _exit_soon(lane: int, e: BaseException) -> None:
+    """End this process shortly: Ray restarts the lane, the coordinator resets it."""
+    import os
+    import threading
+
+    logger.error("lane %d: device error, restarting the process: %s", lane, e)
+    threading.Timer(_EXIT_DELAY_S, os._exit, (70,)).start()
+
 
 class LaneGroupError(RuntimeError):
     """The step expects a lane group this lane does not have (it is being rebuilt)."""
@@ -108,6 +130,24 @@ class LaneWorker:
         # older than the last one run means a reordering bug, not a retry.
         assert step.step_id > self._last_step, (step.step_id, self._last_step)
         self._last_step = step.step_id
+        try:
+            return self._run(shard, step)
+        except BaseException as e:
+            # Leave the group at once: peers blocked in a collective with this lane fail
+            # now ("connection closed") instead of at the group's timeout, and every lane
+            # then refuses steps of this group until the coordinator builds a new one.
+            logger.warning(
+                "lane %d: step %d failed (%s): leaving the lane group",
+                self.lane,
+                step.step_id,
+                type(e).__name__,
+            )
+            self.destroy_group()
+            if _is_device_error(e):
+                _exit_soon(self.lane, e)
+            raise
+
+    def _run(self, shard: LaneShard, step: StepInput) -> dict:
         self.group.take_wait_seconds()  # drop what measure() or an earlier failure left
         self._attention_clock.take()
         t0 = time.perf_counter()

@@ -1,0 +1,281 @@
+"""Issue 19 without Ray: failed steps, safe retries, namespaces, leases that hold, hung lanes.
+
+A coordinator over real lane shards (a local transport) and a stepped clock; lanes whose
+steps succeed, fail or never answer are scripted here.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from cpkv import CPConfig, KVShape
+from cpkv.coordinator import Coordinator
+from cpkv.errors import InvalidRequestError, LeaseExpiredError, StepFailedError
+from cpkv.lanes.shard import CACHED, NOT_YET, LaneShard
+from cpkv.reply_cache import DROPPED, ReplyCache
+
+from .local_lanes import LocalLaneTransport
+
+CFG = CPConfig(cp_size=2, page_size=4, num_pages_per_lane=32, max_reqs=16, max_context_len=512)
+KV = KVShape(num_layers=1, num_heads=2, head_dim=8, dtype="float32")
+VOCAB = 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class StepLanes(LocalLaneTransport):
+    """Local lanes that also take steps: each answers ``(status, result)`` futures, failing
+    the steps named in ``fail`` and leaving lanes in ``hung`` silent."""
+
+    def __init__(self) -> None:
+        super().__init__(CFG.cp_size, CFG.num_pages_per_lane, CFG.page_size, KV)
+        self.fail: set[int] = set()  # step ids that fail
+        self.hung: set[int] = set()  # lanes that answer nothing
+        self.killed: list[int] = []
+
+    def submit(self, lane, method, *args):
+        if lane in self.hung:
+            self.calls.append((lane, method))
+            return Future()  # never answered
+        if method != "step":
+            return super().submit(lane, method, *args)
+        step = args[0]
+        status, result = Future(), Future()
+        if step.step_id in self.fail:
+            err = RuntimeError(f"lane {lane}: step {step.step_id} failed")
+            status.set_exception(err)
+            result.set_exception(err)
+        else:
+            status.set_result({"step_id": step.step_id})
+            result.set_result({"logits": {}})
+        return status, result  # as a Ray actor method of two returns gives two handles
+
+    def kill(self, lane: int) -> None:
+        self.killed.append(lane)
+        self.hung.discard(lane)
+        self.restart(lane)
+
+
+def make(clock=None, **kwargs) -> tuple[Coordinator, StepLanes]:
+    lanes = StepLanes()
+    coord = Coordinator(
+        CFG,
+        KV,
+        lanes,
+        heartbeat_s=0,
+        lane_restart_timeout_s=5,
+        clock=clock or Clock(),
+        vocab_size=VOCAB,
+        **kwargs,
+    )
+    # Steps need a lane group: these lanes take steps without one.
+    coord._ensure_group = lambda: "g"
+    return coord, lanes
+
+
+def ok(out):
+    if isinstance(out, Exception):
+        raise out
+    return out
+
+
+def prefill(coord, client, rid, tokens, call_id=None):
+    return ok(coord.prefill(coord.epoch, client, call_id, rid, np.asarray(tokens)))
+
+
+# ------------------------------------------------------------ failed steps (19.1, 19.2)
+def test_a_failed_prefill_never_reaches_the_prefix_cache():
+    """The step's pages were decided before it ran; it failed: nothing of it is cached,
+    whatever free is told, and the request is failed until freed."""
+    coord, lanes = make()
+    coord.hello("a")
+    prompt = np.arange(1, 33)
+    lanes.fail.add(1)
+    prefill(coord, "a", "r", prompt)  # the answer comes before the outcome
+    with pytest.raises(StepFailedError, match="step 1 failed"):
+        ok(coord.allocate_decode(coord.epoch, "a", None, ["r"], [5]))
+    assert coord.stats()["failed_steps"] == 1
+    ok(coord.free(coord.epoch, "a", None, "r", True))  # acknowledged; caches nothing
+    assert coord.stats()["cached"] == [0, 0]
+    again = prefill(coord, "a", "r2", prompt)
+    assert again["allocations"][0].cached_len == 0  # no hit on pages never written
+    assert coord.check()["ok"]
+
+
+def test_a_successful_prefill_is_cached_and_a_failed_decode_is_not_repeated():
+    coord, lanes = make()
+    coord.hello("a")
+    prompt = np.arange(1, 33)
+    prefill(coord, "a", "r", prompt)
+    lanes.fail.add(2)
+    ok(coord.decode(coord.epoch, "a", None, ["r"], np.array([7])))
+    # The retry of the failed decode is refused: its length must not grow twice.
+    with pytest.raises(StepFailedError):
+        ok(coord.decode(coord.epoch, "a", None, ["r"], np.array([7])))
+    assert coord._core.request_len(coord._key("a", "r")) == 33
+    ok(coord.free(coord.epoch, "a", None, "r", True))
+    # The prefill's 32 tokens were written: their full pages are cached, the decode's not.
+    assert sum(coord.stats()["cached"]) == 8
+    hit = prefill(coord, "a", "r2", np.append(prompt, 9))
+    assert hit["allocations"][0].cached_len == 32
+
+
+def test_a_step_with_a_token_outside_the_vocabulary_is_refused_before_any_decision():
+    coord, _ = make()
+    before = coord.stats()
+    out = coord.prefill(coord.epoch, "a", None, "r", np.array([1, 2, VOCAB]))
+    assert isinstance(out, InvalidRequestError) and str(VOCAB) in str(out)
+    out = coord.decode(coord.epoch, "a", None, ["r"], np.array([VOCAB + 5]))
+    assert isinstance(out, InvalidRequestError)
+    assert coord.stats()["num_requests"] == before["num_requests"] == 0
+
+
+# --------------------------------------------------------------- safe retries (19.3)
+def test_a_repeated_call_id_takes_effect_once_and_only_for_its_own_call():
+    coord, _ = make()
+    tokens = np.arange(1, 41)
+    first = ok(coord.allocate_extend(coord.epoch, "a", 7, "r", tokens))
+    again = ok(coord.allocate_extend(coord.epoch, "a", 7, "r", tokens))
+    assert again is first and coord._core.request_len(coord._key("a", "r")) == 40
+    # The same call id with other arguments is refused, not answered with A's allocation.
+    other = coord.allocate_extend(coord.epoch, "a", 7, "r", tokens[:5])
+    assert isinstance(other, InvalidRequestError) and "call_id=7" in str(other)
+    # Another client's call id 7 is another call.
+    theirs = ok(coord.allocate_extend(coord.epoch, "b", 7, "r", tokens))
+    assert theirs is not first and coord.stats()["num_requests"] == 2
+    # A retried free frees once.
+    assert ok(coord.free(coord.epoch, "a", 8, "r", True)) == ok(
+        coord.free(coord.epoch, "a", 8, "r", True)
+    )
+
+
+def test_replies_are_bounded_in_bytes_and_a_dropped_reply_is_never_rerun():
+    cache = ReplyCache(100, max_bytes=1000)
+    for i in range(5):
+        cache.put(i, f"r{i}", tag="t", nbytes=400)
+    assert cache.nbytes <= 1000 and len(cache) == 5
+    assert cache.get(0) is DROPPED and cache.get(4) == "r4"
+    coord, _ = make()
+    coord._replies = ReplyCache(100, max_bytes=1)
+    ok(prefill(coord, "a", "r", np.arange(1, 9), call_id=1))
+    out = coord.prefill(coord.epoch, "a", 1, "r", np.arange(1, 9))
+    assert isinstance(out, InvalidRequestError) and "no longer kept" in str(out)
+    assert coord._core.request_len(coord._key("a", "r")) == 8
+
+
+# ---------------------------------------------------------------- namespaces (19.4)
+def test_two_clients_requests_of_one_name_never_meet():
+    coord, _ = make()
+    for client in ("a", "b"):
+        coord.hello(client)
+    ok(coord.allocate_extend(coord.epoch, "a", None, "req-0", np.arange(1, 21)))
+    ok(coord.allocate_extend(coord.epoch, "b", None, "req-0", np.arange(1, 9)))
+    assert coord.stats()["num_requests"] == 2
+    ok(coord.free(coord.epoch, "b", None, "req-0", False))
+    assert coord._core.request_len(coord._key("a", "req-0")) == 20
+    with pytest.raises(InvalidRequestError, match="req-0"):
+        ok(coord.free(coord.epoch, "b", None, "req-0", False))
+    # Clients of one named namespace share their requests on purpose.
+    coord.hello("driver", namespace="job")
+    coord.hello("actor", namespace="job")
+    ok(coord.allocate_extend(coord.epoch, "driver", None, "x", np.arange(1, 5)))
+    ok(coord.allocate_extend(coord.epoch, "actor", None, "x", np.arange(5, 9)))
+    assert coord._core.request_len(coord._key("driver", "x")) == 8
+
+
+def test_lanes_let_a_namespace_write_only_its_pages_and_read_cached_ones():
+    shard = LaneShard(0, 8, 2, KV, "cpu")
+    shard.reset("g")
+    shard.apply("g", 1, np.array([1, 2], np.int32), np.empty(0, np.int32), owner=5)
+    shard.apply("g", 2, np.array([3], np.int32), np.empty(0, np.int32), owner=6)
+    k = v = np.zeros((1, 2, 8), np.float32)
+    import torch
+
+    k = v = torch.from_numpy(k)
+    assert shard.store_kv(np.array([2]), k, v, owner=5) == 1  # page 1: ours
+    with pytest.raises(InvalidRequestError, match="another namespace"):
+        shard.store_kv(np.array([6]), k, v, owner=5)  # page 3: namespace 6's
+    with pytest.raises(InvalidRequestError, match="another namespace"):
+        shard.gather_kv(np.array([6]), owner=5)
+    with pytest.raises(InvalidRequestError, match="free"):
+        shard.store_kv(np.array([10]), k, v, owner=5)  # page 5: nobody's
+    shard.apply("g", 3, np.empty(0, np.int32), np.empty(0, np.int32), 0, np.array([3], np.int32))
+    assert shard._owner[3] == CACHED
+    with pytest.raises(InvalidRequestError, match="cached"):
+        shard.store_kv(np.array([6]), k, v, owner=6)  # cached pages are read-only
+    shard.gather_kv(np.array([6]), owner=5)  # and readable
+    # A fence ahead of the moves applied: not yet (the caller asks again).
+    assert shard.store_kv(np.array([2]), k, v, owner=5, fence=("g", 9)) == NOT_YET
+    assert shard.store_kv(np.array([2]), k, v, owner=5, fence=("g", 3)) == 1
+
+
+def test_moves_carry_the_owner_and_the_pages_that_went_to_the_cache():
+    coord, lanes = make()
+    coord.hello("a")
+    alloc = ok(coord.allocate_extend(coord.epoch, "a", None, "r", np.arange(1, 17)))
+    ns = coord.hello("a")["namespace_id"]
+    pages = alloc.new_pages
+    assert coord.check()["ok"]  # waits for the moves (heartbeats are ordered after them)
+    for p in pages:
+        assert lanes.shards[p % 2]._owner[p // 2] == ns
+    ok(coord.free(coord.epoch, "a", None, "r", True))
+    assert coord.check()["ok"]
+    for p in pages:
+        assert lanes.shards[p % 2]._owner[p // 2] == CACHED
+
+
+# -------------------------------------------------------------------- leases (19.6, 8)
+def test_a_lapse_is_told_to_the_client_even_after_its_renewer_said_hello():
+    clock = Clock()
+    coord, _ = make(clock)
+    coord.hello("a", 1.0)
+    ok(coord.allocate_extend(coord.epoch, "a", None, "r", np.arange(1, 9)))
+    clock.now += 2.0
+    assert coord.expire_leases() == 1
+    assert not coord.renew_lease("a")
+    coord.hello("a", 1.0)  # what the renewer does when its renewal is refused
+    with pytest.raises(LeaseExpiredError) as info:
+        ok(coord.allocate_decode(coord.epoch, "a", None, ["r"], [3]))
+    assert info.value.rids == ["r"]
+
+
+def test_a_quiet_lease_of_a_live_process_is_kept_and_of_a_stopped_one_lapses():
+    clock = Clock()
+    alive = {"busy": True, "stopped": False}
+    coord, _ = make(clock, liveness=lambda holder: alive[holder["name"]])
+    for name in alive:
+        coord.hello(name, 1.0, holder={"name": name})
+        ok(coord.allocate_extend(coord.epoch, name, None, "r", np.arange(1, 9)))
+    clock.now += 1.5
+    assert coord.expire_leases() == 1  # the stopped client's request only
+    stats = coord.stats()
+    assert stats["leases_kept_alive"] == 1 and stats["num_requests"] == 1
+    assert coord._core.has_request(coord._key("busy", "r"))
+
+
+# ------------------------------------------------------------------ hung lanes (19.7)
+def test_a_hung_lane_is_killed_and_reset_and_renewals_never_wait_for_it():
+    coord, lanes = make(lane_hang_s=0.3)
+    coord.hello("idle", 5.0)
+    ok(coord.allocate_extend(coord.epoch, "idle", None, "r", np.arange(1, 3)))
+    lanes.hung.add(1)
+    import time
+
+    end = time.monotonic() + 5
+    while not lanes.killed and time.monotonic() < end:
+        assert coord.renew_lease("idle")  # never waits for the lane
+        coord.heartbeat_once()
+    assert lanes.killed == [1]
+    assert coord.wait_recovered(5)
+    stats = coord.stats()
+    assert stats["hung_lanes"] == 1 and stats["lane_states"] == ["up", "up"]
+    assert coord.check()["ok"]
