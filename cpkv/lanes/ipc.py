@@ -41,6 +41,9 @@ logger = logging.getLogger("cpkv.ipc")
 # Teardowns whose device work had not finished (a stream stuck on a dead peer's event): their
 # mappings are kept here, never closed under a pending copy.
 _GRAVEYARD: list[Any] = []
+# How long a teardown waits for this lane's queued device work before keeping its mappings
+# instead (the queued step of a failed exchange drains in milliseconds).
+_CLOSE_GRACE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -208,7 +211,11 @@ class IpcExchange:
 
     def _read(self, p: int, seq: int, slot: int, op: int, want: int, out: torch.Tensor) -> None:
         """Step 4 for peer ``p``: copy its ``want`` bytes for this lane into ``out`` (bytes)."""
-        self.board.wait_posted(p, seq, self.timeout_s)
+        try:
+            self.board.wait_posted(p, seq, self.timeout_s)
+        except PeerGoneError:
+            self._unblock_dead()
+            raise
         got_op, version, start, length = self.board.slot(p, seq, self.rank)
         if got_op != op or length != want:
             raise RuntimeError(
@@ -222,6 +229,22 @@ class IpcExchange:
             at = slot * peer.capacity + start
             out.copy_(peer.buffer[at : at + want])
             self.stats.bytes_read += want
+
+    def _unblock_dead(self) -> None:
+        """Complete the events of peers whose process is gone, from this side.
+
+        NOTE: measured on the H200 (docs/gpu-run/ipc): a stream waiting on the written event of
+        a peer that died with that record still queued stays blocked for good (20 s and more);
+        the step's final synchronize would hang, and every later step of this lane too.
+        """
+        for p, peer in self._peers.items():
+            if self.board.alive(p):
+                continue
+            for ev in (*peer.written, *peer.consumed):
+                try:
+                    self.adaptor.unblock(ev)
+                except Exception:  # the event may be unusable too: nothing more to do
+                    logger.warning("lane %d: could not complete lane %d's event", self.rank, p)
 
     def _finish(self, seq: int, slot: int) -> None:
         self.adaptor.record(self._consumed[slot], seq)
@@ -316,7 +339,8 @@ class IpcExchange:
             return
         self._closed = True
         keep = (self._buf, self._retired, self._peers, self._written, self._consumed)
-        if not self.adaptor.quiesce():
+        self._unblock_dead()
+        if not self.adaptor.quiesce(grace_s=_CLOSE_GRACE_S):
             logger.warning("lane %d: exchange closed with device work pending", self.rank)
             _GRAVEYARD.append(keep)
         else:

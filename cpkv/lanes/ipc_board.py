@@ -152,6 +152,10 @@ class Board:
             int(rec[at + 2 + ws + dest]),
         )
 
+    def alive(self, lane: int) -> bool:
+        """Whether lane ``lane``'s process still exists (not yet registered counts as alive)."""
+        return _alive(self.pid(lane))
+
     def wait_posted(self, lane: int, seq: int, timeout_s: float) -> None:
         """Return once lane ``lane`` posted exchange ``seq``.
 

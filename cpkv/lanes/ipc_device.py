@@ -8,6 +8,8 @@ An *adaptor* gives :class:`cpkv.lanes.ipc.IpcExchange` what it needs from a devi
 * ``new_event()``, ``export_event(ev)``, ``open_event(desc)``, ``record(ev, tag)`` and
   ``wait(ev, tag)`` (the current stream waits; ``tag`` is the exchange whose record is meant,
   which only the stand-in can check);
+* ``unblock(ev)`` completes a dead peer's event from this side, so waits this lane queued on it
+  end (a process that dies takes its queued records with it);
 * ``retire(mapping)`` drops a peer mapping once this lane's reads of it are done, ``collect()``
   drops the retired ones that are done, ``release(buf)`` an own buffer the peers no longer read,
   and ``quiesce()`` whether everything this lane queued is finished (before a teardown).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 from typing import Any
 
@@ -123,11 +126,22 @@ class CudaIpcDevice:
     def wait(self, ev: torch.cuda.Event, tag: int) -> None:
         ev.wait(torch.cuda.current_stream(self.device))
 
-    def quiesce(self) -> bool:
+    def unblock(self, ev: torch.cuda.Event) -> None:
+        # A record from this process on a stream that waits for nothing: once it completes, the
+        # event's waits queued earlier (for the dead peer's record) are satisfied.
+        side = torch.cuda.Stream(self.device)
+        ev.record(side)
+
+    def quiesce(self, grace_s: float = 0.0) -> bool:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         # NOTE: no synchronize: a stream stuck on a dead peer's event would hang the teardown.
-        return bool(done.query())
+        deadline = time.perf_counter() + grace_s
+        while not done.query():
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
 
 class FakeIpcDevice:
@@ -208,7 +222,10 @@ class FakeIpcDevice:
                 f"but its last record is of exchange {seen}"
             )
 
-    def quiesce(self) -> bool:
+    def unblock(self, ev: np.ndarray) -> None:
+        """CPU waits never block: nothing to release."""
+
+    def quiesce(self, grace_s: float = 0.0) -> bool:
         return True
 
     def close(self) -> None:
