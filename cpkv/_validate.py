@@ -98,7 +98,9 @@ def as_token_array(token_ids: object, *, name: str = "token_ids") -> np.ndarray:
     if arr.size == 0:
         raise InvalidRequestError(f"{name} is empty")
     if not isinstance(token_ids, np.ndarray) and (
-        arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)
+        arr.dtype == np.bool_
+        or not np.issubdtype(arr.dtype, np.integer)
+        or any(type(t) is bool for t in token_ids)  # numpy reads [True, 3] as [1, 3]
     ):
         _object_ids(token_ids, name)  # names the first id that is not a plain integer
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):

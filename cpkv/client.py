@@ -375,6 +375,7 @@ class CPKVClient:
         self._namespace_id: int = hello["namespace_id"]
         # Per lane, the last page move the coordinator had queued at our last allocation.
         self._fence: list | None = None
+        self._fence_lock = threading.Lock()
         self._lease = _LeaseKeeper(self, lease_s) if lease_s is not None else None
         self.name: str | None = None  # the coordinator's actor name, when known
         self.attention_mode = "auto"
@@ -412,7 +413,11 @@ class CPKVClient:
         return self._unwrap(self._take_fence(out) if fenced else out)
 
     def _take_fence(self, out):
-        answer, self._fence = out
+        """Keep the latest move of each lane seen in any answer: answers of concurrent calls
+        arrive in any order, and a write must wait for the moves of its own allocation."""
+        answer, fence = out
+        with self._fence_lock:
+            self._fence = fence if self._fence is None else _later_fence(self._fence, fence)
         return answer
 
     def _request(self, method: str, *args, what: str, call_id=None, fenced: bool = False):
@@ -774,6 +779,8 @@ class CPKVClient:
             id is outside its vocabulary; StepFailedError when the step failed on a lane
             (the request is then failed: free it and submit again).
         """
+        if deadline_s is not None:
+            check_float("deadline_s", deadline_s)
         rid, tokens = self._extend_args(rid, token_ids, cache_salt, step=probe is None)
         mode = self._mode(mode)
         self._check_model(probe)
@@ -1174,6 +1181,22 @@ class CPKVClient:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _later_fence(old: list, new: list) -> list:
+    """Per lane the later of two ``(generation, seq)`` marks (generations are
+    ``"{epoch}:{n}"``, n growing; a new epoch wins)."""
+    out = []
+    for a, b in zip(old, new, strict=True):
+        (ga, sa), (gb, sb) = a, b
+        if ga == gb:
+            out.append((ga, max(sa, sb)))
+            continue
+        ea, _, na = (ga or "").rpartition(":")
+        eb, _, nb = (gb or "").rpartition(":")
+        keep_old = ea == eb and na.isdigit() and nb.isdigit() and int(na) > int(nb)
+        out.append(a if keep_old else b)
+    return out
 
 
 def _compact(tokens: np.ndarray) -> np.ndarray:

@@ -320,17 +320,7 @@ class _Serve:
 
     def _decode(self, rid: str, token: int) -> np.ndarray:
         """One decode step, retrying capacity waits until the deadline."""
-        end = time.monotonic() + self.cfg.deadline_s
-        backoff = 0.005
-        while True:
-            try:
-                return self.client.decode([rid], [token])[0]
-            except KVCapacityWaitError:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise
-                time.sleep(min(left, backoff))
-                backoff = min(0.2, backoff * 2)
+        return self.client.decode([rid], [token], deadline_s=self.cfg.deadline_s)[0]
 
     def serve(self, prompt: np.ndarray, rid: str) -> bool:
         """One request: chunked prefill, check, decode and check, free. False: gave up under

@@ -230,13 +230,18 @@ class LaneHealth:
         with self._lock:
             if self._channel.generations[lane] != gen or self.states[lane] != UP:
                 return
-            self.num_hung += 1
-            self.fail(lane, f"hung: no heartbeat answered for {self._hang_s:.1f}s")
+        # NOTE: killed before it is failed, so the reset that recovery sends next reaches
+        # the restarted process, not the stuck one.
         if self._kill is not None:
             try:
                 self._kill(lane)
             except Exception:
                 logger.exception("could not kill hung lane %d", lane)
+        with self._lock:
+            if self._channel.generations[lane] != gen or self.states[lane] != UP:
+                return
+            self.num_hung += 1
+            self.fail(lane, f"hung: no heartbeat answered for {self._hang_s:.1f}s")
 
     def fail_moves(self) -> None:
         """Fail the lanes whose page moves came back with an error (caller holds the lock)."""

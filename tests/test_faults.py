@@ -119,10 +119,16 @@ def test_killed_coordinator_restarts_and_reports_requests_lost(make_client):
 
 @ray.remote
 class _HungCoordinator:
-    def hello(self, client_id=None, lease_s=None):
+    def hello(self, client_id=None, lease_s=None, namespace=None, holder=None):
         from cpkv import CPConfig, KVShape
 
-        return {"epoch": "e", "config": CPConfig(2, 4, 8), "kv": KVShape(), "lanes": []}
+        return {
+            "epoch": "e",
+            "config": CPConfig(2, 4, 8),
+            "kv": KVShape(),
+            "lanes": [],
+            "namespace_id": 2,
+        }
 
     def allocate_extend(self, *args):
         time.sleep(30)
