@@ -78,6 +78,7 @@ from tests.local_lanes import LocalLaneTransport
 
 SHARED = "shared"  # the namespace of the coordinator machine's clients
 NO_CLIENT = "c-none"
+OUTSIDER = "outsider"  # a client of a namespace of its own
 
 VOCAB = 4
 # Salts of new requests: "s" and b"s" are different salts.
@@ -1965,6 +1966,30 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.cached_runs.clear()
         self.cache_exact = True
         self.last_call = None
+
+    @rule(data=st.data())
+    def outsider(self, data: st.DataObject) -> None:
+        """Another namespace never reaches the machine's requests, and a call id sent again
+        with other arguments is refused: nothing changes either way (issue 19.3, 19.4)."""
+        before = self.coord.stats()
+        rid = data.draw(st.sampled_from(C_RIDS), label="rid")
+        op = data.draw(st.sampled_from(["free", "decode", "retry_other"]), label="outsider op")
+        if op == "free":
+            answer = self.coord.free(self.epoch, OUTSIDER, None, rid, True, None)
+        elif op == "decode":
+            answer = self.coord.allocate_decode(self.epoch, OUTSIDER, None, [rid], None)
+        else:
+            c = self.last_call
+            if c is None or c.method == "free":
+                return
+            answer = getattr(self.coord, c.method)(self.epoch, c.client, c.call_id, *c.args[:-1])
+            if c.answer is answer:  # the arguments happened to digest alike: a true repeat
+                return
+        assert isinstance(answer, InvalidRequestError), answer
+        event(f"outsider {op} refused")
+        after = self.coord.stats()
+        for key in ("num_requests", "used", "free", "cached", "extend_allocations"):
+            assert after[key] == before[key], key
 
     @rule(data=st.data())
     def stale_or_retried_call(self, data: st.DataObject) -> None:
