@@ -385,7 +385,8 @@ class Coordinator:
             made, given = run()
             self._dispatch(op, client_id)  # NOTE: the page moves are queued before the step
             if decode is None:
-                seqs, answer = self._extend_sequences(made, given), {"allocations": made}
+                seqs = self._extend_sequences(made, given)
+                answer = {"allocations": self._for_caller(made)}
             else:
                 seqs, answer = self._decode_sequences(given, decode), {"slots": made}
             self._step_count += 1
@@ -809,8 +810,6 @@ class Coordinator:
             return dataclasses.replace(answer, rid=answer.rid.rid)
         if isinstance(answer, list) and answer and isinstance(answer[0], ExtendAllocation):
             return [self._for_caller(a) for a in answer]
-        if isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], list):
-            return self._for_caller(answer[0]), answer[1]  # a step's (allocations, tokens)
         if isinstance(answer, LaneUnavailableError):
             rids = [user_rid(k) for k in answer.rids]
             return LaneUnavailableError(answer.lane, rids, answer.detail)

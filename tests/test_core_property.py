@@ -49,6 +49,7 @@ import copy
 import pickle
 import sys
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,7 +74,7 @@ from cpkv import (
 )
 from cpkv._validate import RequestKey, user_rid
 from cpkv.coordinator import Coordinator
-from cpkv.errors import LeaseExpiredError
+from cpkv.errors import LeaseExpiredError, StepFailedError
 from tests.local_lanes import LocalLaneTransport
 
 SHARED = "shared"  # the namespace of the coordinator machine's clients
@@ -1374,6 +1375,11 @@ class RecordingTransport(LocalLaneTransport):
         self.refused: list[tuple[int, tuple, str]] = []
 
     def submit(self, lane: int, method: str, *args):
+        if method == "step":  # every step here fails: a lane raised mid-step
+            status, result = Future(), Future()
+            for f in (status, result):
+                f.set_exception(RuntimeError(f"lane {lane} raised mid-step"))
+            return status, result
         future = super().submit(lane, method, *args)
         if method == "apply" and future.exception() is not None:
             self.refused.append((lane, args[:2], repr(future.exception())))
@@ -1479,6 +1485,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         # "no client" calls come from a third member without a lease.
         for client in ("c0", "c1", NO_CLIENT):
             self.coord.hello(client, None, SHARED)
+        self.coord._ensure_group = lambda: "g"  # steps need no real lane group here
         assert self.coord.lane_states() == ["up"] * cp
         if leases:  # both clients hold leases from the start
             self.hello("c0", 1.0)
@@ -1966,6 +1973,39 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.cached_runs.clear()
         self.cache_exact = True
         self.last_call = None
+
+    @rule(data=st.data())
+    def failed_step(self, data: st.DataObject) -> None:
+        """A prefill step fails on the lanes after its pages were decided: later calls on the
+        request say so, and its free caches only what was written before (its cache hit),
+        however ``cache=True`` (issue 19.1)."""
+        fresh = [r for r in C_RIDS if r not in self.live and r not in self.lost]
+        if not fresh:
+            return
+        rid = data.draw(st.sampled_from(fresh), label="rid")
+        client = data.draw(st.sampled_from(C_CLIENTS), label="client")
+        toks = self._prompt(data, whole=data.draw(st.booleans(), label="whole"))
+        if self._extend_invalid(None, toks, None):
+            return
+        answer = self._call("prefill", client, rid, np.asarray(toks), None, "auto", None)
+        notice = self._lapse_notice(client)
+        if notice is not None:
+            self._expect_lapsed(answer, notice)
+            return
+        if isinstance(answer, KVCapacityWaitError):
+            self._check_wait(answer)
+            return
+        assert isinstance(answer, dict), answer
+        al = answer["allocations"][0]
+        self._apply_extend(rid, al, toks, None, client)
+        again = self._call("allocate_decode", client, [rid], None)
+        self._lapse_notice(client)
+        assert isinstance(again, StepFailedError) and again.rid == rid, again
+        event("failed step refused later calls")
+        before = self.coord.stats()
+        freed = self._call("free", client, rid, True, None)
+        self._lapse_notice(client)
+        self._check_free(rid, self.live[rid], freed, before, True, al.cached_len)
 
     @rule(data=st.data())
     def outsider(self, data: st.DataObject) -> None:

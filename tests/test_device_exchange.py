@@ -334,6 +334,9 @@ def dying_main(rank: int, port: int, out_dir: str) -> None:
     then waits on a record that will never complete on the GPU. Lane 0's next exchange finds
     lane 1 dead, completes its events from this side and fails; lane 0's stream must then
     drain (not stay stuck) and its group come down at once."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(35, exit=True)  # where it hangs, if it hangs
     report: dict = {"rank": rank}
     group = LaneGroup.create(rank, 2, "127.0.0.1", port, "cuda_ipc", 20.0, device="cuda:0")
     x = torch.ones(4, 8, device="cuda:0")
@@ -349,6 +352,7 @@ def dying_main(rank: int, port: int, out_dir: str) -> None:
         report["next"] = "no error"
     except PeerGoneError as e:
         report["next"] = str(e)
+    print("lane 0: next exchange:", report["next"], flush=True)
     try:
         done = torch.cuda.Event()
         done.record()
