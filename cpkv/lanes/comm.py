@@ -320,6 +320,12 @@ class LaneGroup:
         """False once :meth:`destroy` ran."""
         return self._alive
 
+    @property
+    def device_stuck(self) -> bool:
+        """True once :meth:`destroy` found this lane's device work still waiting on a dead
+        peer (CUDA IPC): the stream never drains, only a new process frees the device."""
+        return self.exchange is not None and self.exchange.stuck
+
     def destroy(self) -> None:
         """Tear the group down (idempotent); the process can then :meth:`create` a new one."""
         if not self._alive:

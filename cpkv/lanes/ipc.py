@@ -115,6 +115,7 @@ class IpcExchange:
         self._book = SlotBook(GROW_QUANTUM, initial_bytes or GROW_QUANTUM)
         self._retired: list[tuple[int, Any]] = []  # (seq retired at, own buffer)
         self._closed = False
+        self.stuck = False  # set by close(): device work still pending (a dead peer's event)
         self._peers: dict[int, _Peer] = {}
         board_name = board_path(prefix.replace("/", "-"))
         if rank == 0:
@@ -235,7 +236,9 @@ class IpcExchange:
 
         NOTE: measured on the H200 (docs/gpu-run/ipc): a stream waiting on the written event of
         a peer that died with that record still queued stays blocked for good (20 s and more);
-        the step's final synchronize would hang, and every later step of this lane too.
+        the step's final synchronize would hang, and every later step of this lane too. Recording
+        the dead peer's event from here did NOT release that wait (dying2.txt); it is kept as a
+        harmless attempt, and :attr:`stuck` (set by :meth:`close`) tells the lane to restart.
         """
         for p, peer in self._peers.items():
             if self.board.alive(p):
@@ -342,6 +345,7 @@ class IpcExchange:
         self._unblock_dead()
         if not self.adaptor.quiesce(grace_s=_CLOSE_GRACE_S):
             logger.warning("lane %d: exchange closed with device work pending", self.rank)
+            self.stuck = True
             _GRAVEYARD.append(keep)
         else:
             for _, buf in self._retired:

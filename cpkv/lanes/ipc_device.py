@@ -45,7 +45,7 @@ class EventOrderError(AssertionError):
 class CudaIpcDevice:
     """CUDA IPC on ``device`` (this lane's GPU; peers' buffers are mapped on it too)."""
 
-    __slots__ = ("_retired", "device")
+    __slots__ = ("_retired", "_side", "device")
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         device = torch.device("cuda" if device is None else device)
@@ -55,6 +55,9 @@ class CudaIpcDevice:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._retired: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        # NOTE: made now: creating a stream once a stream is stuck on a dead peer's event
+        # blocks for good (measured on the H200: docs/gpu-run/ipc/dying.txt).
+        self._side = torch.cuda.Stream(device)
 
     def uuid(self) -> str:
         return str(torch.cuda.get_device_properties(self.device).uuid)
@@ -129,8 +132,7 @@ class CudaIpcDevice:
     def unblock(self, ev: torch.cuda.Event) -> None:
         # A record from this process on a stream that waits for nothing: once it completes, the
         # event's waits queued earlier (for the dead peer's record) are satisfied.
-        side = torch.cuda.Stream(self.device)
-        ev.record(side)
+        ev.record(self._side)
 
     def quiesce(self, grace_s: float = 0.0) -> bool:
         done = torch.cuda.Event()

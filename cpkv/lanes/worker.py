@@ -105,6 +105,16 @@ class LaneWorker:
     def destroy_group(self) -> None:
         if self.group is not None:
             self.group.destroy()
+            if self.group.device_stuck:
+                # NOTE: a CUDA IPC wait on a lane that died with its write queued never ends
+                # (measured on the H200, docs/gpu-run/ipc): this process's stream is stuck for
+                # good, so it exits (Ray restarts the lane; the coordinator resets it) 0.5 s
+                # later, once the failed step's error has gone out.
+                import os
+                import threading
+
+                logger.error("lane %d: stream stuck on a dead lane's event: restarting", self.lane)
+                threading.Timer(0.5, os._exit, (71,)).start()
         self.group, self.group_id = None, None
 
     # ------------------------------------------------------------------- step
