@@ -813,7 +813,7 @@ def _plot_projection(ax, rows: list[dict], colors: list[str]) -> None:
     ax.set(
         xlabel="cp_size (lanes)",
         ylabel="prefill ms",
-        title=f"measured vs PROJECTED (one GPU per lane, {link:g} GB/s link; not measured)",
+        title=f"measured vs PROJECTED (1 GPU per lane, {link:g} GB/s link)",
     )
     ax.set_xticks(range(len(lanes)), [str(x) for x in lanes])
     ax.grid(True, axis="y", alpha=0.3)
