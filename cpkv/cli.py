@@ -80,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--dtype", default=None, help="--prefill: run the model in this dtype")
     b.add_argument("--attention-mode", default="auto", help="--prefill: auto, pass_q or pass_kv")
+    b.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="--prefill: link rate (GB/s, one way) of the one-GPU-per-lane projection "
+        "(default: NVLink-class 450)",
+    )
     b.add_argument("--address", default=None)
     b.add_argument("--strategy", default="STRICT_PACK")
     b.add_argument("--num-gpus-per-lane", type=float, default=None)
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
             plot=not args.no_plot,
             seed=args.seed,
+            **({} if args.link_gbps is None else {"link_gb_per_s": args.link_gbps}),
         )
         run_prefill_bench(pcfg)
         return 0

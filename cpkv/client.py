@@ -269,6 +269,8 @@ class PrefillResult:
             waiting for slower lanes); ``lane_seconds - lane_wait_seconds`` is its own work.
         lane_attention_seconds: each lane's time in CP attention (K/V store, exchanges and
             kernels, all layers); the rest of ``lane_seconds`` is the model's other layers.
+        lane_exchange_bytes: bytes each lane received from the others in the step's CP
+            attention exchanges (all layers).
     """
 
     logits: np.ndarray | None
@@ -278,6 +280,7 @@ class PrefillResult:
     attention: np.ndarray | None = None
     lane_wait_seconds: list[float] = field(default_factory=list)
     lane_attention_seconds: list[float] = field(default_factory=list)
+    lane_exchange_bytes: list[int] = field(default_factory=list)
 
 
 class _LeaseKeeper:
@@ -923,6 +926,7 @@ class CPKVClient:
         lane_s = [float(res["compute_s"]) for res in results]
         wait_s = [float(res["wait_s"]) for res in results]
         attn_s = [float(res["attention_s"]) for res in results]
+        xbytes = [int(res.get("exchange_bytes", 0)) for res in results]
         mode = results[0]["mode"]
         probe = None
         if any("out" in res for res in results):
@@ -931,7 +935,9 @@ class CPKVClient:
         for b, alloc in enumerate(allocs):
             part = None if probe is None else probe[start : start + alloc.extend_len]
             start += alloc.extend_len
-            made.append(PrefillResult(logits.get(b), alloc, lane_s, mode, part, wait_s, attn_s))
+            made.append(
+                PrefillResult(logits.get(b), alloc, lane_s, mode, part, wait_s, attn_s, xbytes)
+            )
         return made
 
     def _wait_step(
@@ -1064,13 +1070,24 @@ class CPKVClient:
 
         out: dict = {}
         end, pause = time.monotonic() + self.timeout_s, 0.001
+        refreshed = False
         while calls:
             fence = self._fence
             refs = [
                 (r, method.remote(*args, self._namespace_id, None if fence is None else fence[r]))
                 for r, (method, args) in calls.items()
             ]
-            for (r, _), res in zip(refs, self._wait_lanes(refs, what), strict=True):
+            try:
+                answers = self._wait_lanes(refs, what)
+            except InvalidRequestError as e:
+                if refreshed or "is free" not in str(e):
+                    raise
+                # Pages another client of our namespace was given may still be on their way
+                # to the lane: wait for every move decided so far, then ask once more.
+                self._take_fence((None, self._get(self._coord.lane_fence.remote(), "fence")))
+                refreshed = True
+                continue
+            for (r, _), res in zip(refs, answers, strict=True):
                 if not (isinstance(res, str) and res == NOT_YET):
                     out[r] = res
                     del calls[r]

@@ -62,6 +62,9 @@ def test_probe_attention_equals_sdpa(make_client, cp):
         close(res.attention, reference(prompt, 0))
         check_kv(c, res.allocation, prompt)
         assert cp == 1 or res.mode == mode or mode == "auto"
+        # Bytes each lane took from the others: none at cp 1, some on every lane otherwise.
+        assert len(res.lane_exchange_bytes) == cp
+        assert all((b > 0) == (cp > 1) for b in res.lane_exchange_bytes), res.lane_exchange_bytes
         # A cached prefix whose pages sit on whichever lanes computed them.
         c.free("whole")
         longer = np.concatenate([prompt[:32], rng.integers(0, 200, size=13)])

@@ -205,3 +205,17 @@ def test_a_hung_lane_is_reset_and_no_idle_client_loses_its_lease(make_client):
     assert stats["leases_expired"] == 0  # the idle client's lease held throughout
     c.allocate_decode(["idle"])
     assert c.check()["ok"]
+
+
+def test_clients_of_one_namespace_write_each_others_pages(make_client):
+    a = make_client(name="team-pool", namespace="team")
+    b = cpkv.connect(**{**DEFAULTS, "name": "team-pool", "namespace": "team"})
+    try:
+        alloc = a.allocate_extend("shared", np.arange(24))
+        k = torch.full((24, DEFAULTS["num_heads"], DEFAULTS["head_dim"]), 5.0)
+        b.store_kv(alloc.out_cache_loc, k, k)  # b saw none of a's page moves
+        assert torch.equal(a.gather_kv(alloc.out_cache_loc)[0], k)
+        b.free("shared")
+        assert a.stats()["num_requests"] == 0
+    finally:
+        b.shutdown()

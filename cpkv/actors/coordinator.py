@@ -162,6 +162,10 @@ class CoordinatorActor:
         self._c.reset()
 
     @ray.method(concurrency_group="status")
+    def lane_fence(self) -> list:
+        return self._c.lane_fence()
+
+    @ray.method(concurrency_group="status")
     def epoch(self) -> str:
         return self._c.epoch
 
