@@ -68,6 +68,9 @@ def test_a_step_that_fails_on_one_lane_fails_on_all_at_once_and_poisons_nothing(
     c = make_client(cp_size=2)
     hq, hkv, d = 4, DEFAULTS["num_heads"], DEFAULTS["head_dim"]
     n = 16
+    good = tuple(torch.randn(n, h, d) for h in (hq, hkv, hkv))
+    c.prefill("warm", np.arange(100, 100 + n), probe=good, mode="pass_kv")  # kernels compiled
+    c.free("warm", cache=False)
     probe = (torch.randn(n - 1, hq, d), torch.randn(n - 1, hkv, d), torch.randn(n - 1, hkv, d))
     t0 = time.monotonic()
     with pytest.raises(StepFailedError) as info:
@@ -86,7 +89,6 @@ def test_a_step_that_fails_on_one_lane_fails_on_all_at_once_and_poisons_nothing(
     c.free("bad")  # cache=True, but the step wrote nothing: nothing is cached
     assert sum(c.stats()["cached"]) == 0
     assert c.stats()["failed_steps"] >= 1
-    good = tuple(torch.randn(n, h, d) for h in (hq, hkv, hkv))
     # A new lane group, a normal step (deadline: on a GPU the lane may still be restarting).
     res = c.prefill("good", np.arange(n), probe=good, deadline_s=120)
     assert res.allocation.cached_len == 0 and res.attention.shape == (n, hq, d)

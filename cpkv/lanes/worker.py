@@ -143,18 +143,27 @@ class LaneWorker:
         try:
             return self._run(shard, step)
         except BaseException as e:
-            # Leave the group at once: peers blocked in a collective with this lane fail
-            # now ("connection closed") instead of at the group's timeout, and every lane
-            # then refuses steps of this group until the coordinator builds a new one.
+            device = _is_device_error(e)
             logger.warning(
                 "lane %d: step %d failed (%s): leaving the lane group",
                 self.lane,
                 step.step_id,
                 type(e).__name__,
             )
-            self.destroy_group()
-            if _is_device_error(e):
+            if device:
+                # The CUDA context is unusable (a device-side assert): touch nothing on it;
+                # the process exits, which its peers see as a lane that left.
+                self.group, self.group_id = None, None
                 _exit_soon(self.lane, e)
+                raise
+            # Leave the group at once: peers blocked in a collective with this lane fail
+            # now ("connection closed") instead of at the group's timeout, and every lane
+            # then refuses steps of this group until the coordinator builds a new one.
+            try:
+                self.destroy_group()
+            except Exception:
+                logger.exception("lane %d: leaving the lane group failed", self.lane)
+                self.group, self.group_id = None, None
             raise
 
     def _run(self, shard: LaneShard, step: StepInput) -> dict:
