@@ -21,20 +21,11 @@ from cpkv.models import ModelConfig
 
 from .conftest import CUDA_DEVICES, DEFAULTS
 from .test_bad_input import CallRecorder
+from .test_faults import wait_for
 
 pytestmark = pytest.mark.ray
 
 VOCAB = 97
-
-
-def wait_for(pred, timeout=30.0, period=0.1):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(period)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture
