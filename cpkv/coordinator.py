@@ -56,6 +56,9 @@ _MAX_REMEMBERED_CALLS = 1024
 _MAX_REMEMBERED_BYTES = 64 << 20
 # Page moves in flight before a caller waits for the oldest (back-pressure).
 _MAX_PENDING_MOVES = 2048
+# The allocation path looks for failed page moves at most this often: each look asks Ray
+# about every move in flight (bench_actors, 128k tokens at cp 4: 7.6 -> see docs).
+_MOVE_POLL_S = 0.05
 # Namespace id of requests made without a client id (tests, tools); clients get 2, 3, ...
 _NO_NAMESPACE_ID = 1
 
@@ -726,6 +729,8 @@ class Coordinator:
                 problems.append(f"lane {r}: restarted and not yet recovered")
             elif held != expected[r]:
                 problems.append(f"lane {r}: holds {held} pages, mirror says {expected[r]}")
+        with self._lock:  # the moves answered before those heartbeats: any refused?
+            self._health.fail_moves()
         return {"ok": not problems, "problems": problems, "held": expected}
 
     def heartbeat_once(self) -> None:
@@ -775,7 +780,7 @@ class Coordinator:
                 if key is not None:  # a retry of this call gets the same notice
                     self._replies.put(key, lapsed, tag=(op, digest))
                 return lapsed
-            self._health.fail_moves()
+            self._health.fail_moves(_MOVE_POLL_S)
             try:
                 answer = self._for_caller(run())
             except CPKVError as e:

@@ -74,6 +74,7 @@ class LaneHealth:
         self._kill = kill
         # When each lane last answered a heartbeat (or came back); None while not up.
         self._last_answer: list[float | None] = [None] * cp
+        self._last_poll = 0.0
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ states
@@ -243,8 +244,16 @@ class LaneHealth:
             self.num_hung += 1
             self.fail(lane, f"hung: no heartbeat answered for {self._hang_s:.1f}s")
 
-    def fail_moves(self) -> None:
-        """Fail the lanes whose page moves came back with an error (caller holds the lock)."""
+    def fail_moves(self, min_interval_s: float = 0.0) -> None:
+        """Fail the lanes whose page moves came back with an error (caller holds the lock).
+
+        ``min_interval_s``: skip the poll when the last one is more recent (each poll asks
+        Ray about every move in flight; the allocation path polls at most this often).
+        """
+        now = time.monotonic()
+        if min_interval_s and now - self._last_poll < min_interval_s:
+            return
+        self._last_poll = now
         for lane, error in self._channel.poll():
             if self.states[lane] == UP:
                 self.fail(lane, f"a page move failed: {type(error).__name__}: {error}")

@@ -1867,7 +1867,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
             for rid in rids:
                 self.owner.pop(rid)
                 self._drop(rid)
-            self.lapsed[client] = (lease.lease_s, rids)
+            # A lapse not yet told (no call since) is told with this one: both lists.
+            told_later = self.lapsed.pop(client, (0.0, []))[1]
+            self.lapsed[client] = (lease.lease_s, told_later + rids)
             self.leases_lapsed += 1
             freed += len(rids)
         self.leases_expired += freed
