@@ -438,10 +438,7 @@ class CPKVClient:
                 return self._get(ref, what, fenced=fenced)
             except RequestTimeoutError as e:
                 if attempt == self.call_retries:
-                    raise RequestTimeoutError(
-                        f"{e}; call_id={call_id!r} (pass it as call_id= to retry safely)",
-                        call_id,
-                    ) from None
+                    raise _retryable(e, call_id) from None
                 logger.info("%s timed out; sending it again as call %r", what, call_id)
         raise AssertionError("unreachable")
 
@@ -454,10 +451,7 @@ class CPKVClient:
                 return await self._aget(ref, what, fenced=fenced)
             except RequestTimeoutError as e:
                 if attempt == self.call_retries:
-                    raise RequestTimeoutError(
-                        f"{e}; call_id={call_id!r} (pass it as call_id= to retry safely)",
-                        call_id,
-                    ) from None
+                    raise _retryable(e, call_id) from None
         raise AssertionError("unreachable")
 
     def _translate(self, e: Exception, what: str, timeout: float | None = None) -> Exception:
@@ -1198,6 +1192,13 @@ class CPKVClient:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _retryable(e: RequestTimeoutError, call_id: Hashable) -> RequestTimeoutError:
+    """The timeout of a call that may have taken effect, with the id that retries it safely."""
+    return RequestTimeoutError(
+        f"{e}; call_id={call_id!r} (pass it as call_id= to retry safely)", call_id
+    )
 
 
 def _later_fence(old: list, new: list) -> list:

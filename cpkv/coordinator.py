@@ -27,7 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from cpkv._validate import RequestKey, as_token_array, check_rid, check_vocab, user_rid
+from cpkv._validate import (
+    RequestKey,
+    as_token_array,
+    check_rid,
+    check_rids,
+    check_vocab,
+    user_rid,
+)
 from cpkv.allocator import CPAllocator, ExtendAllocation
 from cpkv.config import CPConfig, KVShape
 from cpkv.errors import (
@@ -547,9 +554,7 @@ class Coordinator:
         return rid if ns is None else RequestKey(ns, rid)
 
     def _keys(self, client_id: str | None, rids) -> list[Hashable]:
-        if isinstance(rids, (str, bytes)) or not isinstance(rids, (list, tuple)):
-            raise InvalidRequestError(f"rids must be a list of request ids, got {rids!r:.60}")
-        return [self._key(client_id, rid) for rid in rids]
+        return [self._key(client_id, rid) for rid in check_rids(rids)]
 
     def _keyed_items(self, client_id: str | None, items) -> list[tuple[Hashable, Any]]:
         if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
