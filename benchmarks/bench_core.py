@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from cpkv import CPAllocator, build_in_seq_page_compute_owners
-from cpkv.page_hash import PageHasher
+from cpkv.core.page_hash import PageHasher
 
 
 def loop_owners(extend_len: int, page_size: int, cp_size: int) -> list[int]:

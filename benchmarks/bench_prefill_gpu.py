@@ -99,10 +99,10 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 def cpkv_prefill(config, cp: int, prompts: list[np.ndarray], ref: np.ndarray) -> dict:
     import cpkv
-    from cpkv.bench import step_exchange_bytes
-    from cpkv.coordinator import _device_id
+    from cpkv.coordinator.coordinator import _device_id
     from cpkv.lanes.comm import choose_backend
     from cpkv.models.spec import ModelSpec
+    from cpkv.tools.bench import step_exchange_bytes
 
     n = len(prompts[0])
     pages = -(-n // 64) // cp + 8
@@ -189,8 +189,8 @@ def main() -> None:
     import ray
     import transformers
 
-    from cpkv.demo import start_quiet_ray
     from cpkv.models import ModelConfig
+    from cpkv.tools.demo import start_quiet_ray
 
     lengths = [int(x) for x in args.tokens.split(",")]
     cps = [int(x) for x in args.cps.split(",")]

@@ -36,7 +36,7 @@ from typing import Any
 __all__ = ["default_bench_args", "local_cluster", "main", "probe", "run", "start_cluster"]
 
 DEFAULT_OUT = "results/local-cluster"
-NAMESPACE = "cpkv"  # the namespace cpkv's actors live in (cpkv._ray_env.NAMESPACE)
+NAMESPACE = "cpkv"  # the namespace cpkv's actors live in (cpkv.actors.ray_env.NAMESPACE)
 
 
 def _check_loopback() -> None:
@@ -178,11 +178,11 @@ def _has_option(args: Sequence[str], name: str) -> bool:
 
 
 def _call_bench(argv: list[str]) -> int:
-    """Run ``cpkv bench`` in this process (``cpkv.cli.main``); return its exit status."""
+    """Run ``cpkv bench`` in this process (``cpkv.tools.cli.main``); return its exit status."""
     try:
-        from cpkv.cli import main as cli_main
+        from cpkv.tools.cli import main as cli_main
     except ImportError as e:
-        print(f"[local-cluster] cpkv.cli is not importable: {e}", file=sys.stderr)
+        print(f"[local-cluster] cpkv.tools.cli is not importable: {e}", file=sys.stderr)
         return 2
     try:
         rc = cli_main(argv)
@@ -217,7 +217,7 @@ def run(
         object_store_mb: object store per node; Ray's default when None.
 
     Returns:
-        The bench's exit status (2 when ``cpkv.cli`` cannot be imported).
+        The bench's exit status (2 when ``cpkv.tools.cli`` cannot be imported).
     """
     args = list(bench_args)
     if args[:1] == ["bench"]:

@@ -5,8 +5,17 @@ neither Ray nor torch; :func:`connect` starts or attaches to Ray and returns a
 plain client.
 """
 
-from cpkv.allocator import CPAllocator, ExtendAllocation
-from cpkv.config import CPConfig, KVShape
+from cpkv.core import (
+    CPAllocator,
+    CPConfig,
+    ExtendAllocation,
+    KVShape,
+    OwnerPlan,
+    PrefixCache,
+    build_in_seq_page_compute_owners,
+    build_owner_plan,
+    in_seq_page_compute_owner_unavailable_reason,
+)
 from cpkv.errors import (
     CoordinatorUnavailableError,
     CPKVError,
@@ -17,13 +26,6 @@ from cpkv.errors import (
     RequestTimeoutError,
     StepFailedError,
 )
-from cpkv.owners import (
-    OwnerPlan,
-    build_in_seq_page_compute_owners,
-    build_owner_plan,
-    in_seq_page_compute_owner_unavailable_reason,
-)
-from cpkv.prefix_cache import PrefixCache
 
 __all__ = [
     "CPAllocator",

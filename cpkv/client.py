@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cpkv._ray_env import NAMESPACE, ensure_ray, local_gpu_count
-from cpkv._validate import (
+from cpkv.actors.ray_env import NAMESPACE, ensure_ray, local_gpu_count
+from cpkv.core.allocator import ExtendAllocation, split_slots_by_lane
+from cpkv.core.config import CPConfig, KVShape
+from cpkv.core.validate import (
     as_token_array,
     check_float,
     check_int,
@@ -33,8 +35,6 @@ from cpkv._validate import (
     check_salt,
     check_vocab,
 )
-from cpkv.allocator import ExtendAllocation, split_slots_by_lane
-from cpkv.config import CPConfig, KVShape
 from cpkv.errors import (
     CoordinatorUnavailableError,
     InvalidRequestError,
@@ -137,7 +137,7 @@ def connect(
         InvalidRequestError: bad sizes, or an existing coordinator of another shape.
         TimeoutError: the lanes could not be placed in time.
     """
-    from cpkv.steps import MODES
+    from cpkv.core.steps import MODES
 
     if attention_mode not in MODES:
         raise InvalidRequestError(f"attention_mode={attention_mode!r}; expected one of {MODES}")
@@ -891,7 +891,7 @@ class CPKVClient:
         return out
 
     def _mode(self, mode: str | None) -> str:
-        from cpkv.steps import MODES
+        from cpkv.core.steps import MODES
 
         mode = self.attention_mode if mode is None else mode
         if mode not in MODES:

@@ -12,8 +12,8 @@ mkdir -p "$OUT/bench"
 step 280 tests.txt python3 scripts/run_tests.py -q -p no:cacheprovider -W ignore ${TEST_ARGS:-}
 step 120 kernels.txt python3 benchmarks/bench_kernels.py
 step 60 actors.txt python3 benchmarks/bench_actors.py --iters 200
-step 60 demo.txt python3 -m cpkv.cli demo --no-progress
-step 120 bench.txt python3 -m cpkv.cli bench --lanes 1,2,4 --context 32k,128k,1M --requests 6 --no-progress --no-plot --out "$OUT/bench"
+step 60 demo.txt python3 -m cpkv demo --no-progress
+step 120 bench.txt python3 -m cpkv bench --lanes 1,2,4 --context 32k,128k,1M --requests 6 --no-progress --no-plot --out "$OUT/bench"
 rm -f "$OUT/bench/bench.csv"
 for f in "$OUT"/*.txt; do grep -v "WARNING\|core_worker.cc\|repeated [0-9]*x" "$f" > "$f.tmp" && mv "$f.tmp" "$f"; done
 for f in "$OUT"/*.txt; do tail -n 3 "$f"; done

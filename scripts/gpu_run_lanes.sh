@@ -29,7 +29,7 @@ for s in $STEPS; do
       --tokens ${PREFILL_TOKENS:-32768} --json "$OUT/prefill.json" ;;
     attention) step ${ATTN_S:-150} attention.txt python3 benchmarks/bench_attention.py \
       --json "$OUT/attention.json" ;;
-    bench) step ${BENCH_S:-200} bench.txt python3 -m cpkv.cli bench --prefill --lanes 1,2,4 \
+    bench) step ${BENCH_S:-200} bench.txt python3 -m cpkv bench --prefill --lanes 1,2,4 \
       --context ${BENCH_CONTEXT:-32768} --model llama-3.2-1b --num-gpus-per-lane 0.25 --requests 2 \
       --no-progress --out "$OUT/bench" ;;
     tests) step ${TESTS_S:-170} tests.txt python3 -m pytest -q -p no:cacheprovider -W ignore \

@@ -5,8 +5,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-from cpkv.config import KVShape
-from cpkv.lane_channel import LaneDeadError
+from cpkv.coordinator.channel import LaneDeadError
+from cpkv.core.config import KVShape
 from cpkv.lanes.shard import LaneShard
 
 

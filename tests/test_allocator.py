@@ -272,7 +272,7 @@ def test_drop_lane_drops_cached_pages_on_it():
 
 def test_fallback_logged_once_per_reason(caplog):
     a = make(reqs=8)
-    with caplog.at_level(logging.WARNING, logger="cpkv.allocator"):
+    with caplog.at_level(logging.WARNING, logger="cpkv.core.allocator"):
         for i in range(5):
             a.allocate_extend(f"r{i}", [i])
     records = [r for r in caplog.records if "extend_too_short" in r.getMessage()]

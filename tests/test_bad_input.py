@@ -158,7 +158,7 @@ CONNECT = [
     ("kwargs", "needle"), [x[1:] for x in CONNECT], ids=[x[0] for x in CONNECT]
 )
 def test_connect_rejects_bad_sizes_before_starting_anything(kwargs, needle, monkeypatch):
-    import cpkv._ray_env as env
+    import cpkv.actors.ray_env as env
 
     def no_ray(*a, **k):
         raise AssertionError("Ray was touched")

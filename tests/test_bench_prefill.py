@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from cpkv.bench import PREFILL_FIELDS, PrefillBenchConfig, prefill_points
+from cpkv.tools.bench import PREFILL_FIELDS, PrefillBenchConfig, prefill_points
 from tests.conftest import GPUS_PER_LANE
 
 CONTEXT = 389  # odd: a partial last page; 25 pages of 16, enough for an owner plan at cp 2
@@ -25,7 +25,7 @@ def test_points_run_cp1_once_and_both_splits_above():
 
 @pytest.mark.ray
 def test_tiny_prefill_bench_writes_rows_csv_and_plot(quiet_ray, tmp_path, capsys):
-    from cpkv.cli import main
+    from cpkv.tools.cli import main
 
     out = tmp_path / "bench"
     argv = ["bench", "--prefill", "--lanes", "1,2", "--context", str(CONTEXT)]

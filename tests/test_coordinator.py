@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cpkv import CPConfig, KVShape
-from cpkv.coordinator import Coordinator
+from cpkv.coordinator.coordinator import Coordinator
 from cpkv.errors import KVCapacityWaitError, LaneUnavailableError, LeaseExpiredError
 
 from .local_lanes import LocalLaneTransport

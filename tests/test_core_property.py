@@ -26,7 +26,7 @@ they were matched for, and that the cache holds what the trie says. A
 vectors and the right reason, and be raised exactly when the pages cannot be had, even
 after evicting every unlocked cached page.
 
-``CoordinatorMachine`` drives :class:`cpkv.coordinator.Coordinator` through its public
+``CoordinatorMachine`` drives :class:`cpkv.coordinator.coordinator.Coordinator` through its public
 calls over :class:`tests.local_lanes.LocalLaneTransport` (real :class:`LaneShard` s that
 check every page move's generation and sequence number), with a stepped clock: extends,
 batches, decodes and frees over a small pool of request ids reused on purpose, salted
@@ -72,8 +72,8 @@ from cpkv import (
     build_owner_plan,
     in_seq_page_compute_owner_unavailable_reason,
 )
-from cpkv._validate import RequestKey, user_rid
-from cpkv.coordinator import Coordinator
+from cpkv.coordinator.coordinator import Coordinator
+from cpkv.core.validate import RequestKey, user_rid
 from cpkv.errors import LeaseExpiredError, StepFailedError
 from tests.local_lanes import LocalLaneTransport
 
@@ -2230,7 +2230,7 @@ def test_report_of_a_restarted_lane_loses_it_once(monkeypatch: pytest.MonkeyPatc
     to call ``fail`` again, which lost the lane a second time (with whatever was allocated
     on it meanwhile) when the recovery had brought it back in between (made certain here).
     """
-    from cpkv.lane_health import LaneHealth
+    from cpkv.coordinator.health import LaneHealth
 
     probe = LaneHealth.probe
 

@@ -30,11 +30,11 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from cpkv.core.owners import build_owner_plan
 from cpkv.lanes.attention import MODES, CPAttention, exchange_costs, lane_exchange_bytes
 from cpkv.lanes.comm import LaneGroup, choose_backend, free_port
 from cpkv.lanes.ipc_device import FakeIpcDevice
 from cpkv.lanes.step import StepPlan, StepRequest
-from cpkv.owners import build_owner_plan
 
 HQ, HKV, D = 4, 2, 8
 SCALE = D**-0.5

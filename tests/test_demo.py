@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cpkv.demo import DemoConfig, Reference, demo_model_config, rel_err, run
+from cpkv.tools.demo import DemoConfig, Reference, demo_model_config, rel_err, run
 from tests.conftest import GPUS_PER_LANE
 
 pytestmark = pytest.mark.ray
@@ -104,7 +104,7 @@ def test_cli_demo_terminal_shows_only_cpkv_output():
     cmd = [
         sys.executable,
         "-m",
-        "cpkv.cli",
+        "cpkv",
         "demo",
         "--cp-size",
         "2",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cpkv import KVCapacityWaitError
-from cpkv.workload import kv_for_tokens
+from cpkv.tools.workload import kv_for_tokens
 
 pytestmark = pytest.mark.ray
 

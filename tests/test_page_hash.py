@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpkv import CPAllocator
-from cpkv.page_hash import PageHasher
+from cpkv.core.page_hash import PageHasher
 
 
 def hashes(h: PageHasher, tokens, salt=None) -> np.ndarray:

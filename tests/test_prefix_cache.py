@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cpkv.page_hash import PageHasher
-from cpkv.prefix_cache import PrefixCache
+from cpkv.core.page_hash import PageHasher
+from cpkv.core.prefix_cache import PrefixCache
 
 _HASHERS = {ps: PageHasher(ps, key=bytes(32)) for ps in (1, 2, 4)}
 

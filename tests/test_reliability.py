@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from cpkv import CPConfig, KVShape
-from cpkv.coordinator import Coordinator
+from cpkv.coordinator.coordinator import Coordinator
+from cpkv.core.reply_cache import DROPPED, ReplyCache
 from cpkv.errors import InvalidRequestError, LeaseExpiredError, StepFailedError
 from cpkv.lanes.shard import CACHED, NOT_YET, LaneShard
-from cpkv.reply_cache import DROPPED, ReplyCache
 
 from .local_lanes import LocalLaneTransport
 

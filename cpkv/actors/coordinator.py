@@ -1,4 +1,4 @@
-"""CoordinatorActor: the Ray shell over :class:`cpkv.coordinator.Coordinator`.
+"""CoordinatorActor: the Ray shell over :class:`cpkv.coordinator.coordinator.Coordinator`.
 
 It holds no logic of its own: it finds its lanes by name (its constructor takes
 only plain values, so a restart never depends on objects in Ray's object store,
@@ -12,15 +12,15 @@ import logging
 
 import ray
 
-from cpkv._ray_env import NAMESPACE
 from cpkv.actors.liveness import ProcessLiveness
+from cpkv.actors.ray_env import NAMESPACE
 from cpkv.actors.transport import RayLaneTransport
-from cpkv.config import CPConfig, KVShape
-from cpkv.coordinator import Coordinator
+from cpkv.coordinator.coordinator import Coordinator
+from cpkv.core.config import CPConfig, KVShape
 
 __all__ = ["CoordinatorActor"]
 
-logger = logging.getLogger("cpkv.coordinator")
+logger = logging.getLogger("cpkv.coordinator.coordinator")
 
 
 class _Metrics:
@@ -62,7 +62,7 @@ class _Metrics:
     concurrency_groups={"lease": 2, "status": 2},
 )
 class CoordinatorActor:
-    """Delegates to :class:`cpkv.coordinator.Coordinator`.
+    """Delegates to :class:`cpkv.coordinator.coordinator.Coordinator`.
 
     Args:
         config: pool shape.

@@ -13,10 +13,10 @@ import os
 import numpy as np
 import ray
 
-from cpkv.config import KVShape
+from cpkv.core.config import KVShape
+from cpkv.core.steps import StepInput
 from cpkv.lanes.shard import LaneShard
 from cpkv.lanes.worker import LaneWorker
-from cpkv.steps import StepInput
 
 __all__ = ["LaneActor"]
 

@@ -9,8 +9,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cpkv._ray_env import NAMESPACE
-from cpkv.config import CPConfig, KVShape
+from cpkv.actors.ray_env import NAMESPACE
+from cpkv.core.config import CPConfig, KVShape
 from cpkv.errors import InvalidRequestError
 
 __all__ = ["STRATEGIES", "LanePlacement", "place_lanes"]

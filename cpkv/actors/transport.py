@@ -6,7 +6,7 @@ from typing import Any
 
 import ray
 
-from cpkv.lane_channel import LaneDeadError
+from cpkv.coordinator.channel import LaneDeadError
 
 __all__ = ["RayLaneTransport"]
 

@@ -45,9 +45,9 @@ import numpy as np
 import torch
 
 from cpkv import kernels
+from cpkv.core.steps import MODES  # one list of modes for the client, coordinator and lanes
 from cpkv.lanes.comm import LaneGroup
 from cpkv.lanes.step import PageTable, QExchange, StepPlan
-from cpkv.steps import MODES  # one list of modes for the client, coordinator and lanes
 
 __all__ = ["MODES", "CPAttention", "exchange_costs", "lane_exchange_bytes"]
 

@@ -15,9 +15,9 @@ import uuid
 import numpy as np
 import torch
 
-from cpkv.config import KVShape
+from cpkv.core.config import KVShape
+from cpkv.core.reply_cache import ReplyCache
 from cpkv.errors import InvalidRequestError
-from cpkv.reply_cache import ReplyCache
 
 __all__ = ["CACHED", "NOT_YET", "LaneShard", "MoveOrderError"]
 

@@ -1,7 +1,7 @@
 """LaneWorker: one lane's model weights, its collective group and its step loop.
 
 The lane actor holds a worker beside its shard. A step (one Ray call per lane,
-all lanes in parallel) carries the same :class:`cpkv.steps.StepInput` to every
+all lanes in parallel) carries the same :class:`cpkv.core.steps.StepInput` to every
 lane; each derives its share with :class:`StepPlan`, runs every layer for its own
 tokens, writes their K/V into its shard in place and attends through
 :class:`CPAttention`, exchanging with the other lanes over torch.distributed,
@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from cpkv.core.steps import StepInput
 from cpkv.lanes.attention import CPAttention
 from cpkv.lanes.clock import StreamClock
 from cpkv.lanes.comm import LaneGroup, free_port
 from cpkv.lanes.shard import LaneShard
 from cpkv.lanes.step import StepPlan, StepRequest
-from cpkv.steps import StepInput
 
 __all__ = ["LaneGroupError", "LaneWorker"]
 

@@ -227,7 +227,7 @@ class ModelConfig:
     @property
     def kv_shape(self) -> tuple[int, int, int, str]:
         """``(num_layers, num_kv_heads, head_dim, dtype)``: what one token's K (or V) needs
-        per layer, in the order of :class:`cpkv.config.KVShape`'s fields."""
+        per layer, in the order of :class:`cpkv.core.config.KVShape`'s fields."""
         return (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     @property

@@ -5,7 +5,7 @@ Each node holds a run of pages (their chunk hashes and global page ids), so a
 sit on each lane; unlocked pages are evictable, and ``evict`` trims least
 recently used unlocked leaves that hold pages on the lanes that are short.
 
-Pages are identified by their keyed, chained 64-bit hashes (:mod:`cpkv.page_hash`);
+Pages are identified by their keyed, chained 64-bit hashes (:mod:`cpkv.core.page_hash`);
 a page is looked up only among its parent's children, so the tree path is the
 chain as well.
 """

@@ -13,17 +13,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cpkv._validate import as_token_array, check_int, check_rid, check_rids, check_salt
-from cpkv.config import CPConfig
+from cpkv.core.config import CPConfig
+from cpkv.core.owners import (
+    OwnerPlan,
+    build_owner_plan,
+    in_seq_page_compute_owner_unavailable_reason,
+)
+from cpkv.core.page_hash import ChainState, PageHasher
+from cpkv.core.pools import RESERVED_LOCAL_PAGE, LanePagePool
+from cpkv.core.prefix_cache import PrefixCache, PrefixMatch
+from cpkv.core.validate import as_token_array, check_int, check_rid, check_rids, check_salt
 from cpkv.errors import InvalidRequestError, KVCapacityWaitError, LaneUnavailableError
-from cpkv.owners import OwnerPlan, build_owner_plan, in_seq_page_compute_owner_unavailable_reason
-from cpkv.page_hash import ChainState, PageHasher
-from cpkv.page_pool import RESERVED_LOCAL_PAGE, LanePagePool
-from cpkv.prefix_cache import PrefixCache, PrefixMatch
 
 __all__ = ["CPAllocator", "ExtendAllocation", "slots_from_pages", "split_slots_by_lane"]
 
-logger = logging.getLogger("cpkv.allocator")
+logger = logging.getLogger("cpkv.core.allocator")
 
 _EMPTY_I32 = np.empty(0, dtype=np.int32)
 _EMPTY_I32.flags.writeable = False

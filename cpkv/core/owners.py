@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cpkv._validate import check_int
+from cpkv.core.validate import check_int
 
 __all__ = [
     "OwnerPlan",

@@ -34,7 +34,7 @@ import numpy as np
 
 from cpkv.errors import KVCapacityWaitError
 from cpkv.models.config import ModelConfig
-from cpkv.workload import shared_prefix_prompts
+from cpkv.tools.workload import shared_prefix_prompts
 
 __all__ = [
     "DemoConfig",
@@ -49,7 +49,7 @@ __all__ = [
     "tolerance_for",
 ]
 
-logger = logging.getLogger("cpkv.demo")
+logger = logging.getLogger("cpkv.tools.demo")
 
 #: Relative error (``max |got - want| / max |want|``) allowed per model dtype. fp32 lanes and
 #: reference differ by summation order only; bf16 / fp16 round every layer's activations, and
@@ -399,7 +399,7 @@ def start_quiet_ray(address: str | None, num_lanes: int) -> bool:
     """
     import ray
 
-    from cpkv._ray_env import NAMESPACE, keep_ray_on_loopback, local_gpu_count
+    from cpkv.actors.ray_env import NAMESPACE, keep_ray_on_loopback, local_gpu_count
 
     if ray.is_initialized():
         return False

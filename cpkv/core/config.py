@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpkv._validate import check_int
+from cpkv.core.validate import check_int
 
 __all__ = ["CPConfig", "KVShape"]
 

@@ -172,7 +172,7 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
     """Run every point; write ``bench.json``, ``bench.csv`` and ``bench.png`` to ``out_dir``."""
     from tqdm import tqdm
 
-    from cpkv.demo import start_quiet_ray
+    from cpkv.tools.demo import start_quiet_ray
 
     started = start_quiet_ray(cfg.address, max(cfg.lanes))
     points = [(cp, ctx) for cp in cfg.lanes for ctx in cfg.contexts]
@@ -336,9 +336,9 @@ class PrefillBenchConfig:
 
 def _model_spec(cfg: PrefillBenchConfig):
     """The :class:`cpkv.models.spec.ModelSpec` every point's lanes load."""
-    from cpkv.demo import demo_model_config
     from cpkv.models import ModelConfig
     from cpkv.models.spec import ModelSpec
+    from cpkv.tools.demo import demo_model_config
 
     if cfg.model in MODEL_PRESETS:
         config = {
@@ -391,7 +391,7 @@ def step_exchange_bytes(alloc, cp_size: int, config, mode: str) -> list[int]:
     layers: :func:`cpkv.lanes.attention.lane_exchange_bytes` of every lane's plan.
 
     Args:
-        alloc: the step's :class:`cpkv.allocator.ExtendAllocation` (no cached prefix).
+        alloc: the step's :class:`cpkv.core.allocator.ExtendAllocation` (no cached prefix).
         cp_size: lanes.
         config: the model's :class:`cpkv.models.ModelConfig`.
         mode: the mode the step ran.
@@ -596,7 +596,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> list[dict]:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from cpkv.demo import start_quiet_ray
+    from cpkv.tools.demo import start_quiet_ray
 
     if cfg.contexts is None:
         cfg.contexts = [2 << 10, 4 << 10]

@@ -101,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
     if args.address is None:
-        from cpkv._ray_env import keep_ray_on_loopback
+        from cpkv.actors.ray_env import keep_ray_on_loopback
 
         keep_ray_on_loopback()
     if args.cmd == "demo":
-        from cpkv.demo import DemoConfig, run_demo
+        from cpkv.tools.demo import DemoConfig, run_demo
 
         cfg = DemoConfig(
             cp_size=args.cp_size,
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return run_demo(cfg)
     if args.prefill:
-        from cpkv.bench import PrefillBenchConfig, run_prefill_bench
+        from cpkv.tools.bench import PrefillBenchConfig, run_prefill_bench
 
         pcfg = PrefillBenchConfig(
             lanes=args.lanes or [1, 2, 4],
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         run_prefill_bench(pcfg)
         return 0
-    from cpkv.bench import BenchConfig, run_bench
+    from cpkv.tools.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(
         lanes=args.lanes or [1, 2, 4, 8],

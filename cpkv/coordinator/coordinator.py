@@ -27,7 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from cpkv._validate import (
+from cpkv.coordinator.channel import LaneChannel, LaneTransport
+from cpkv.coordinator.health import RESTARTING, LaneHealth
+from cpkv.core.allocator import CPAllocator, ExtendAllocation
+from cpkv.core.config import CPConfig, KVShape
+from cpkv.core.leases import LeaseTable
+from cpkv.core.reply_cache import DROPPED, ReplyCache
+from cpkv.core.steps import MODES, StepInput, StepSequence
+from cpkv.core.validate import (
     RequestKey,
     as_token_array,
     check_rid,
@@ -35,8 +42,6 @@ from cpkv._validate import (
     check_vocab,
     user_rid,
 )
-from cpkv.allocator import CPAllocator, ExtendAllocation
-from cpkv.config import CPConfig, KVShape
 from cpkv.errors import (
     CoordinatorUnavailableError,
     CPKVError,
@@ -46,15 +51,10 @@ from cpkv.errors import (
     LeaseExpiredError,
     StepFailedError,
 )
-from cpkv.lane_channel import LaneChannel, LaneTransport
-from cpkv.lane_health import RESTARTING, LaneHealth
-from cpkv.leases import LeaseTable
-from cpkv.reply_cache import DROPPED, ReplyCache
-from cpkv.steps import MODES, StepInput, StepSequence
 
 __all__ = ["Coordinator"]
 
-logger = logging.getLogger("cpkv.coordinator")
+logger = logging.getLogger("cpkv.coordinator.coordinator")
 
 # Replies kept for client calls retried after a lost answer.
 _MAX_REMEMBERED_CALLS = 1024

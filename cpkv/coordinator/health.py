@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
-from cpkv.lane_channel import LaneChannel, LaneDeadError
+from cpkv.coordinator.channel import LaneChannel, LaneDeadError
 
 __all__ = ["DEAD", "RESTARTING", "UP", "LaneHealth"]
 

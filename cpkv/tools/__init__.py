@@ -1,0 +1,2 @@
+"""The user's tools on top of the library: the ``cpkv`` command line, the demo, the
+scaling benchmark and its synthetic workloads."""
