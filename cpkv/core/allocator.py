@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cpkv.core.config import CPConfig
+from cpkv.core.layout import RESERVED_LOCAL_PAGE, PageLayout
 from cpkv.core.owners import (
     OwnerPlan,
     build_owner_plan,
     in_seq_page_compute_owner_unavailable_reason,
 )
 from cpkv.core.page_hash import ChainState, PageHasher
-from cpkv.core.pools import RESERVED_LOCAL_PAGE, LanePagePool
+from cpkv.core.pools import LanePagePool
 from cpkv.core.prefix_cache import PrefixCache, PrefixMatch
 from cpkv.core.validate import as_token_array, check_int, check_rid, check_rids, check_salt
 from cpkv.errors import InvalidRequestError, KVCapacityWaitError, LaneUnavailableError
@@ -65,14 +66,7 @@ def split_slots_by_lane(
         per lane, ``(token_index int64 [m], local_slot int64 [m])``: which of the
         given tokens live on that lane, and their slots inside its shard.
     """
-    pages, offsets = np.divmod(slots, page_size)
-    lanes = pages % cp_size
-    local = (pages // cp_size) * page_size + offsets
-    out = []
-    for r in range(cp_size):
-        idx = np.flatnonzero(lanes == r)
-        out.append((idx, local[idx]))
-    return out
+    return PageLayout(cp_size, page_size).split_slots(slots)
 
 
 @dataclass(slots=True)

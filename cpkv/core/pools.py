@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["RESERVED_LOCAL_PAGE", "LanePagePool"]
+from cpkv.core.layout import RESERVED_LOCAL_PAGE
 
-# NOTE: local page 0 of every lane is the padding target and is never handed out.
-RESERVED_LOCAL_PAGE = 0
+__all__ = ["LanePagePool"]
+
 
 
 class LanePagePool:
