@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cpkv.core.availability import LaneAvailability
 from cpkv.core.config import CPConfig
 from cpkv.core.layout import RESERVED_LOCAL_PAGE, PageLayout
 from cpkv.core.owners import (
@@ -277,7 +278,8 @@ class CPAllocator:
         self._pools = [LanePagePool(r, num_pages_per_lane) for r in range(cp_size)]
         self._cache = PrefixCache(cp_size, page_size)
         self._hasher = PageHasher(page_size, hash_key)
-        self._down: set[int] = set()  # lanes restarting: they take no pages
+        # Lanes restarting take no pages; the coordinator's lane supervisor writes this object.
+        self.availability = LaneAvailability(cp_size)
         self._reqs: dict[Hashable, _Request] = {}
         self._free_slots = list(range(max_reqs - 1, -1, -1))
         self._lost: dict[Hashable, int] = {}
@@ -311,8 +313,8 @@ class CPAllocator:
     def num_available_pages_per_lane(self) -> np.ndarray:
         """``int64 [cp_size]`` free pages each lane can give now (0 on a lane that is down)."""
         free = self.num_free_pages_per_lane()
-        if self._down:
-            free[sorted(self._down)] = 0
+        if self.availability:
+            free[self.availability.down_lanes] = 0
         return free
 
     def set_lane_available(self, lane: int, available: bool) -> None:
@@ -324,14 +326,11 @@ class CPAllocator:
         check_int("lane", lane, minimum=0)
         if lane >= self.cp_size:
             raise InvalidRequestError(f"lane={lane} >= cp_size={self.cp_size}")
-        if available:
-            self._down.discard(lane)
-        else:
-            self._down.add(lane)
+        self.availability.set_available(lane, available)
 
     @property
     def down_lanes(self) -> list[int]:
-        return sorted(self._down)
+        return self.availability.down_lanes
 
     @property
     def num_requests(self) -> int:
@@ -708,7 +707,7 @@ class CPAllocator:
             "evictable": self._cache.num_evictable_pages_per_lane.tolist(),
             "reserved": [1] * self.cp_size,
             "num_requests": len(self._reqs),
-            "down_lanes": sorted(self._down),
+            "down_lanes": self.availability.down_lanes,
             "num_lost_requests": len(self._lost),
             "extend_allocations": c.extend_allocations,
             "decode_allocations": c.decode_allocations,
@@ -953,8 +952,8 @@ class CPAllocator:
         counts = np.full(self.cp_size, base, dtype=np.int64)
         counts[:extra] += 1  # per position in `order`
         evictable = self._cache.num_evictable_pages_per_lane
-        if self._down:
-            evictable[sorted(self._down)] = 0  # a lane that is down gives nothing
+        if self.availability:
+            evictable[self.availability.down_lanes] = 0  # a lane that is down gives nothing
         cap = np.maximum(0, free + evictable)[order]
         if (counts <= cap).all() or cap.sum() < num_pages:
             return np.resize(order, num_pages)
@@ -989,7 +988,7 @@ class CPAllocator:
             deficit = np.maximum(0, required - self.num_available_pages_per_lane())
             if not deficit.any():
                 return owners
-            if self._down and deficit[sorted(self._down)].any():
+            if self.availability and deficit[self.availability.down_lanes].any():
                 break  # a restarting lane: eviction cannot help it
             self._counters.evict_calls += 1
             # NOTE: deficits are in owner-lane pages already; never scale by cp_size.
@@ -1005,7 +1004,7 @@ class CPAllocator:
         deficit = np.maximum(0, required - self.num_available_pages_per_lane())
         if not deficit.any():
             return owners
-        down = [r for r in sorted(self._down) if deficit[r]]
+        down = [r for r in self.availability.down_lanes if deficit[r]]
         if down:
             reason = "lane_unavailable"
             message = f"lanes {down} are restarting; {int(required.sum())} pages wanted"

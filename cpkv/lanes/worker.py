@@ -32,6 +32,8 @@ logger = logging.getLogger("cpkv.worker")
 # step's error to reach its callers, short enough that no later step runs on the
 # broken context (the lane runs one call at a time).
 _EXIT_DELAY_S = 0.5
+# What a device error leaves behind, never freed (see LaneWorker.step).
+_KEPT_UNTIL_EXIT: list = []
 
 
 def _is_device_error(e: BaseException) -> bool:
@@ -153,9 +155,14 @@ class LaneWorker:
             if device:
                 # The CUDA context is unusable (a device-side assert): touch nothing on it;
                 # the process exits, which its peers see as a lane that left.
+                # NOTE: nothing that maps a peer's memory may be freed on a broken context:
+                # its deleter calls CUDA, which throws inside a destructor and aborts the
+                # process before the step's error goes out (seen on the H200). The group
+                # and the failed frames are kept until the exit.
+                _KEPT_UNTIL_EXIT.append((self.group, e, e.__traceback__))
                 self.group, self.group_id = None, None
                 _exit_soon(self.lane, e)
-                raise
+                raise RuntimeError(f"lane {self.lane}: CUDA error in step: {e}") from None
             # Leave the group at once: peers blocked in a collective with this lane fail
             # now ("connection closed") instead of at the group's timeout, and every lane
             # then refuses steps of this group until the coordinator builds a new one.
