@@ -22,7 +22,7 @@ _EMPTY_I32 = np.empty(0, dtype=np.int32)
 
 # ``rotation(num_pages, reserved)``: owners of pages drawn in rotation, ``reserved`` pages a
 # lane already promised (see LaneCapacity.rotation_owners).
-Rotation = Callable[[int, np.ndarray], np.ndarray]
+_Rotation = Callable[[int, np.ndarray], np.ndarray]
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,7 +65,7 @@ def plan_extend(
     return ExtendPlan(match, prefix_len, extend_len, num_new, plan, reason)
 
 
-def batch_owners(plans: Sequence[ExtendPlan], cp_size: int, rotation: Rotation) -> np.ndarray:
+def batch_owners(plans: Sequence[ExtendPlan], cp_size: int, rotation: _Rotation) -> np.ndarray:
     """Owners of a batch's new pages, in item order: plans where they exist, the rest in
     rotation over what the planned pages leave.
 

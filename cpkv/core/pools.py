@@ -16,20 +16,21 @@ class LanePagePool:
     ``allocate`` pops from the top, ``free`` pushes; both are O(n) numpy slices.
     """
 
-    __slots__ = ("_free", "_num_free", "lane", "num_pages")
+    __slots__ = ("_free", "_num_free", "lane", "num_pages", "num_usable_pages")
 
     def __init__(self, lane: int, num_pages: int) -> None:
         assert num_pages >= 2, num_pages
         self.lane = lane
         self.num_pages = num_pages
-        self._free = np.empty(num_pages - 1, dtype=np.int32)
+        self.num_usable_pages = num_pages - 1  # all but RESERVED_LOCAL_PAGE
+        self._free = np.empty(self.num_usable_pages, dtype=np.int32)
         self._num_free = 0
         self.reset()
 
     def reset(self) -> None:
         """Every page but the reserved one free again; lowest ids come out first."""
         self._free[:] = np.arange(self.num_pages - 1, RESERVED_LOCAL_PAGE, -1, dtype=np.int32)
-        self._num_free = self.num_pages - 1
+        self._num_free = self.num_usable_pages
 
     @property
     def num_free_pages(self) -> int:
@@ -38,7 +39,7 @@ class LanePagePool:
     @property
     def num_used_pages(self) -> int:
         """Pages handed out (in requests or in the prefix cache)."""
-        return self.num_pages - 1 - self._num_free
+        return self.num_usable_pages - self._num_free
 
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= self._num_free
@@ -53,7 +54,7 @@ class LanePagePool:
         """Return local pages to the pool."""
         n = int(local_pages.shape[0])
         # NOTE: overflowing the stack means a page was freed twice.
-        assert self._num_free + n <= self.num_pages - 1, (self.lane, n, self._num_free)
+        assert self._num_free + n <= self.num_usable_pages, (self.lane, n, self._num_free)
         self._free[self._num_free : self._num_free + n] = local_pages
         self._num_free += n
 
