@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 
@@ -10,6 +11,7 @@ import pytest
 
 import cpkv
 from cpkv import CPAllocator, InvalidRequestError, KVCapacityWaitError, LaneUnavailableError
+from cpkv.core.validate import as_token_array
 
 
 def make(cp=2, ps=4, pages=20, reqs=4, ctx=1000, **kw) -> CPAllocator:
@@ -348,3 +350,43 @@ def test_metadata_is_small():
     a.allocate_extend("r", np.arange(4 * 255 * 16 - 16))
     per_page = a.metadata_nbytes() / (4 * 256)
     assert per_page <= 16, per_page
+
+
+def test_token_ids_become_contiguous_int64_once():
+    ids = np.arange(8, dtype=np.int64)
+    assert as_token_array(ids) is ids  # already what the core takes: not copied
+    strided = np.arange(16, dtype=np.int64)[::2]
+    narrow = np.arange(8, dtype=np.int32)
+    for arr in (strided, narrow, list(range(8))):
+        out = as_token_array(arr)
+        assert out.dtype == np.int64 and out.flags.c_contiguous
+        assert out.tolist() == np.asarray(arr).tolist()
+    a = make(hash_key=bytes(32))
+    b = make(hash_key=bytes(32))
+    a.allocate_extend("s", strided)
+    b.allocate_extend("s", strided.copy())
+    a.free("s")
+    b.free("s")
+    assert a.match_prefix(strided).tolist() == b.match_prefix(np.arange(0, 16, 2)).tolist()
+
+
+def test_extend_is_a_batch_of_one():
+    a, b = make(reqs=3, hash_key=bytes(32)), make(reqs=3, hash_key=bytes(32))
+    steps = [("a", np.arange(40)), ("a", np.arange(40, 47)), ("b", np.arange(44)), ("c", [1])]
+    for rid, toks in steps:
+        one = a.allocate_extend(rid, toks)
+        (batch,) = b.allocate_extend_batch([(rid, toks)])
+        for f in dataclasses.fields(cpkv.ExtendAllocation):
+            x, y = getattr(one, f.name), getattr(batch, f.name)
+            assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y, f.name
+    assert a.stats() == b.stats()
+    errors = []
+    for alloc in (a, b):
+        with pytest.raises(KVCapacityWaitError) as info:
+            if alloc is a:
+                alloc.allocate_extend("d", [2])
+            else:
+                alloc.allocate_extend_batch([("d", [2])])
+        errors.append((str(info.value), info.value.reason))
+    assert errors[0] == errors[1]
+    assert errors[0][1] == "request_slots_exhausted" and "all 3 request slots" in errors[0][0]

@@ -1331,9 +1331,9 @@ class CoreMachine(RuleBasedStateMachine):
         assert np.array_equal(free + cached, np.full(self.cp, self.npl - 1))
         assert s["evictable"] == s["cached"]
         # Evict everything: ask the core to secure every usable page of every lane.
-        # NOTE: _secure is private; no public call asks for a whole pool at once.
+        # NOTE: _capacity is private; no public call asks for a whole pool at once.
         want = np.repeat(np.arange(self.cp, dtype=np.int32), self.npl - 1)
-        a._secure(lambda: want, reason="owner_lane_exhausted")
+        a._capacity.secure(lambda: want, reason="owner_lane_exhausted")
         if self.trie is not None:
             self.trie.remove(self._drain()[1])
             assert not self.trie.pages()

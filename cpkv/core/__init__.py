@@ -1,6 +1,7 @@
-"""The decision core: owner plans, page pools, page identity, prefix cache, allocator,
-leases and the reply cache. Plain Python and numpy: it imports neither Ray nor torch, so
-tests step it directly and any process can hold one."""
+"""The decision core: page layout, owner plans, page pools, page identity, prefix cache,
+request table, capacity (eviction and waits), move journal, the allocator façade over
+them, leases and the reply cache. Plain Python and numpy: it imports neither Ray nor
+torch, so tests step it directly and any process can hold one."""
 
 from cpkv.core.allocator import CPAllocator, ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape

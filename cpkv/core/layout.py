@@ -53,13 +53,27 @@ class PageLayout:
         """Pages that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.page_size)
 
+    def full_pages(self, num_tokens: int) -> int:
+        """Pages that ``num_tokens`` tokens fill completely (a partial last page left out)."""
+        return num_tokens // self.page_size
+
     def pages_per_lane_for(self, num_pages: int) -> int:
         """Most pages any lane holds of ``num_pages`` spread round-robin over the lanes."""
         return -(-num_pages // self.cp_size)
 
     def count_by_lane(self, pages: np.ndarray) -> np.ndarray:
         """``int64 [cp_size]``: how many of ``pages`` each lane holds."""
-        return np.bincount(self.lane_of(pages), minlength=self.cp_size).astype(np.int64)
+        return self.count_lanes(self.lane_of(pages))
+
+    def count_lanes(self, lanes: np.ndarray) -> np.ndarray:
+        """``int64 [cp_size]``: how many entries of ``lanes`` (lane ids, e.g. page owners)
+        name each lane."""
+        return np.bincount(lanes, minlength=self.cp_size).astype(np.int64, copy=False)
+
+    def pages_by_lane(self, pages: np.ndarray) -> list[np.ndarray]:
+        """Per lane, the global ``pages`` it holds, in their given order."""
+        lanes = self.lane_of(pages)
+        return [pages[lanes == r] for r in range(self.cp_size)]
 
     # ------------------------------------------------------------------ slots
     def local_slots(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

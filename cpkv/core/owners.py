@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cpkv.core.layout import PageLayout
 from cpkv.core.validate import check_int
 
 __all__ = [
@@ -30,13 +31,22 @@ REASON_MULTI_BATCH = "multi_batch"
 SPLITS = ("zigzag", "contiguous")
 
 
-def _checked(extend_len, extend_prefix_len, page_size, cp_size) -> tuple[int, int, int, int]:
-    return (
-        check_int("extend_len", extend_len, minimum=0),
-        check_int("extend_prefix_len", extend_prefix_len, minimum=0),
-        check_int("page_size", page_size, minimum=1),
-        check_int("cp_size", cp_size, minimum=1),
-    )
+def _checked(extend_len, extend_prefix_len, page_size, cp_size) -> tuple[int, int, PageLayout]:
+    extend_len = check_int("extend_len", extend_len, minimum=0)
+    extend_prefix_len = check_int("extend_prefix_len", extend_prefix_len, minimum=0)
+    page_size = check_int("page_size", page_size, minimum=1)
+    cp_size = check_int("cp_size", cp_size, minimum=1)
+    return extend_len, extend_prefix_len, PageLayout(cp_size, page_size)
+
+
+def _reason(extend_len: int, extend_prefix_len: int, layout: PageLayout) -> str | None:
+    if layout.cp_size < 2:
+        return REASON_CP_SIZE_1
+    if extend_prefix_len % layout.page_size:
+        return REASON_PREFIX_NOT_ALIGNED
+    if layout.pages_for(extend_len) < 2 * layout.cp_size:
+        return REASON_EXTEND_TOO_SHORT
+    return None
 
 
 def in_seq_page_compute_owner_unavailable_reason(
@@ -64,18 +74,12 @@ def in_seq_page_compute_owner_unavailable_reason(
         InvalidRequestError (a ValueError): a negative or non-integer length,
             ``page_size < 1`` or ``cp_size < 1``.
     """
-    extend_len, extend_prefix_len, page_size, cp_size = _checked(
+    extend_len, extend_prefix_len, layout = _checked(
         extend_len, extend_prefix_len, page_size, cp_size
     )
     if multi_batch:
         return REASON_MULTI_BATCH
-    if cp_size < 2:
-        return REASON_CP_SIZE_1
-    if extend_prefix_len % page_size:
-        return REASON_PREFIX_NOT_ALIGNED
-    if -(-extend_len // page_size) < 2 * cp_size:
-        return REASON_EXTEND_TOO_SHORT
-    return None
+    return _reason(extend_len, extend_prefix_len, layout)
 
 
 def _segment_bounds(num_pages: int, num_segments: int) -> np.ndarray:
@@ -115,12 +119,13 @@ def build_in_seq_page_compute_owners(
     Raises:
         InvalidRequestError (a ValueError): bad arguments, as above.
     """
-    if in_seq_page_compute_owner_unavailable_reason(
+    extend_len, extend_prefix_len, layout = _checked(
         extend_len, extend_prefix_len, page_size, cp_size
-    ):
+    )
+    if _reason(extend_len, extend_prefix_len, layout):
         return None
-    num_pages = -(-int(extend_len) // int(page_size))
-    return _owners_from_bounds(int(cp_size), _segment_bounds(num_pages, 2 * int(cp_size)))
+    num_pages = layout.pages_for(extend_len)
+    return _owners_from_bounds(layout.cp_size, _segment_bounds(num_pages, 2 * layout.cp_size))
 
 
 @dataclass(slots=True, frozen=True)
@@ -160,11 +165,13 @@ def build_owner_plan(
         from cpkv.errors import InvalidRequestError
 
         raise InvalidRequestError(f"split={split!r}; expected one of {SPLITS}")
-    if in_seq_page_compute_owner_unavailable_reason(
+    extend_len, extend_prefix_len, layout = _checked(
         extend_len, extend_prefix_len, page_size, cp_size
-    ):
+    )
+    if _reason(extend_len, extend_prefix_len, layout):
         return None
-    num_pages = -(-extend_len // page_size)
+    page_size, cp_size = layout.page_size, layout.cp_size
+    num_pages = layout.pages_for(extend_len)
     bounds = _segment_bounds(num_pages, 2 * cp_size)
     owners = _owners_from_bounds(cp_size, bounds, split)
     seg_owner = _segment_owners(cp_size, split)

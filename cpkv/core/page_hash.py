@@ -88,7 +88,7 @@ class PageHasher:
         """Hash the full pages of ``tokens`` that follow a chain at ``state``.
 
         Args:
-            tokens: ``int64 [n]`` ids starting at a page boundary; a partial last page is
+            tokens: contiguous ``int64 [n]`` ids starting at a page boundary; a partial last page is
                 ignored (hash it once it is full).
             state: the chain after the previous full page (:meth:`start` for the first).
 
@@ -99,8 +99,9 @@ class PageHasher:
         n = tokens.shape[0] // ps
         if n == 0:
             return np.empty(0, dtype=np.uint64), state
-        assert tokens.dtype == np.int64, tokens.dtype
-        body = np.ascontiguousarray(tokens[: n * ps])
+        # NOTE: ids are contiguous int64 from validate.as_token_array on; never converted here.
+        assert tokens.dtype == np.int64 and tokens.flags.c_contiguous, tokens.dtype
+        body = tokens[: n * ps]
         # NOTE: uint64 matmul wraps mod 2**64, which is what the universal hash needs.
         # A page's words depend on its own ids only (never on the rest of the call), so
         # its identity is the same whichever tokens share the call.

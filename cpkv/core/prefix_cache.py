@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cpkv.core.layout import PageLayout
+
 __all__ = ["EvictResult", "PrefixCache", "PrefixMatch"]
 
 
@@ -32,13 +34,13 @@ class _Node:
         "parent",
     )
 
-    def __init__(self, node_id, parent, hashes, pages, cp_size, last_access) -> None:
+    def __init__(self, node_id, parent, hashes, pages, layout: PageLayout, last_access) -> None:
         self.id = node_id
         self.parent: _Node | None = parent
         self.children: dict[int, _Node] = {}
         self.hashes: np.ndarray = hashes
         self.pages: np.ndarray = pages
-        self.lane_counts = np.bincount(pages % cp_size, minlength=cp_size).astype(np.int64)
+        self.lane_counts = layout.count_by_lane(pages)
         self.lock_ref = 0
         self.last_access = last_access
 
@@ -90,9 +92,10 @@ class PrefixCache:
     def __init__(self, cp_size: int, page_size: int) -> None:
         self.cp_size = cp_size
         self.page_size = page_size
+        self.layout = PageLayout(cp_size, page_size)
         self._clock = itertools.count(1)
         self._ids = itertools.count(1)
-        self._root = _Node(0, None, np.empty(0, np.uint64), _EMPTY_PAGES, cp_size, 0)
+        self._root = _Node(0, None, np.empty(0, np.uint64), _EMPTY_PAGES, self.layout, 0)
         self._root.lock_ref = 1  # the root is never evicted
         self._nodes: dict[int, _Node] = {}
         self._cached = np.zeros(cp_size, dtype=np.int64)
@@ -162,7 +165,7 @@ class PrefixCache:
             node.parent,
             node.hashes[:k],
             node.pages[:k],
-            self.cp_size,
+            self.layout,
             node.last_access,
         )
         upper.lock_ref = node.lock_ref
@@ -215,7 +218,7 @@ class PrefixCache:
                     node,
                     hashes[pos:].copy(),
                     pages[pos:].copy(),
-                    self.cp_size,
+                    self.layout,
                     now,
                 )
                 node.children[int(hashes[pos])] = leaf
@@ -261,13 +264,10 @@ class PrefixCache:
                 break
             taken = self._trim(leaf, remaining)
             freed.append(taken)
-            lanes = np.bincount(taken % self.cp_size, minlength=self.cp_size)
-            remaining -= np.minimum(remaining, lanes)
+            remaining -= np.minimum(remaining, self.layout.count_by_lane(taken))
         pages = np.concatenate(freed) if freed else _EMPTY_PAGES
-        lanes_of = pages % self.cp_size
-        per_lane = np.bincount(lanes_of, minlength=self.cp_size).astype(np.int64)
-        by_lane = tuple(pages[lanes_of == r] for r in range(self.cp_size))
-        return EvictResult(by_lane, per_lane)
+        by_lane = tuple(self.layout.pages_by_lane(pages))
+        return EvictResult(by_lane, self.layout.count_by_lane(pages))
 
     def _pick_leaf(self, short: np.ndarray) -> _Node | None:
         best = fallback = None
@@ -288,12 +288,12 @@ class PrefixCache:
         need = np.minimum(remaining, leaf.lane_counts)
         take = 0 if need.any() else len(leaf)  # no page that helps: it goes whole
         if take == 0:
-            rev = (leaf.pages % self.cp_size)[::-1]
+            rev = self.layout.lane_of(leaf.pages)[::-1]
             for r in np.flatnonzero(need):
                 # The need[r]-th page of lane r counted from the tail bounds the cut.
                 take = max(take, int(np.flatnonzero(rev == r)[need[r] - 1]) + 1)
         taken = leaf.pages[len(leaf) - take :]
-        counts = np.bincount(taken % self.cp_size, minlength=self.cp_size).astype(np.int64)
+        counts = self.layout.count_by_lane(taken)
         self._cached -= counts
         self._evictable -= counts
         if take == len(leaf):
@@ -323,7 +323,7 @@ class PrefixCache:
         for top in doomed:
             if top.id not in self._nodes:
                 continue  # already gone with an ancestor
-            first = int(np.flatnonzero(top.pages % self.cp_size == lane)[0])
+            first = int(np.flatnonzero(self.layout.lane_of(top.pages) == lane)[0])
             if first:
                 self._split(top, first)  # keep the pages before the lost one
             stack = [top]
@@ -337,14 +337,14 @@ class PrefixCache:
                 self._evictable -= node.lane_counts
                 freed.append(node.pages)
         pages = np.concatenate(freed) if freed else _EMPTY_PAGES
-        return pages[pages % self.cp_size != lane]
+        return pages[self.layout.lane_of(pages) != lane]
 
     def check(self) -> None:
         """Raise AssertionError if counts or locks disagree with the tree."""
         cached = np.zeros(self.cp_size, dtype=np.int64)
         evictable = np.zeros(self.cp_size, dtype=np.int64)
         for node in self._nodes.values():
-            counts = np.bincount(node.pages % self.cp_size, minlength=self.cp_size)
+            counts = self.layout.count_by_lane(node.pages)
             if not np.array_equal(counts, node.lane_counts):
                 raise AssertionError(f"node {node.id} lane counts {node.lane_counts} != {counts}")
             if len(node) == 0:

@@ -83,9 +83,10 @@ def check_salt(cache_salt: object) -> None:
 
 
 def as_token_array(token_ids: object, *, name: str = "token_ids") -> np.ndarray:
-    """Return ``token_ids`` as a 1-D int64 array of non-negative ids, or raise.
+    """Return ``token_ids`` as a contiguous 1-D int64 array of non-negative ids, or raise.
 
-    A numpy integer array is used without copying when it already is int64.
+    The one converter of token ids: the core takes what it returns as is. A contiguous
+    int64 numpy array comes back itself, not copied.
     """
     if isinstance(token_ids, np.ndarray):
         arr = token_ids
@@ -108,8 +109,8 @@ def as_token_array(token_ids: object, *, name: str = "token_ids") -> np.ndarray:
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 2**63:
         i = int(np.argmax(arr))
         raise InvalidRequestError(f"{name}[{i}]={int(arr[i])} is past the largest id 2**63-1")
-    if arr.dtype != np.int64:
-        arr = arr.astype(np.int64)
+    if arr.dtype != np.int64 or not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
     low = int(arr.min())
     if low < 0:
         raise InvalidRequestError(f"{name}[{int(np.argmin(arr))}] holds a negative id {low}")
