@@ -39,9 +39,11 @@ def main() -> None:
     import ray
 
     import cpkv
+    from cpkv.core.layout import PageLayout
 
     cp, ctx, ps = args.cp_size, args.context, args.page_size
-    per_lane = -(-ctx // ps // cp) * 2 + 8
+    layout = PageLayout(cp, ps)
+    per_lane = layout.pages_per_lane_for(layout.pages_for(ctx)) * 2 + 8
     client = cpkv.connect(
         args.address,
         cp_size=cp,

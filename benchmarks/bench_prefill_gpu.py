@@ -100,12 +100,14 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 def cpkv_prefill(config, cp: int, prompts: list[np.ndarray], ref: np.ndarray) -> dict:
     import cpkv
     from cpkv.coordinator.coordinator import _device_id
+    from cpkv.core.layout import PageLayout
     from cpkv.lanes.comm import choose_backend
     from cpkv.models.spec import ModelSpec
     from cpkv.tools.bench import step_exchange_bytes
 
     n = len(prompts[0])
-    pages = -(-n // 64) // cp + 8
+    layout = PageLayout(cp, 64)
+    pages = layout.pages_per_lane_for(layout.pages_for(n)) + 8
     client = cpkv.connect(
         cp_size=cp,
         page_size=64,
@@ -189,12 +191,12 @@ def main() -> None:
     import ray
     import transformers
 
-    from cpkv.models import ModelConfig
-    from cpkv.tools.demo import start_quiet_ray
+    from cpkv.actors.ray_env import ensure_ray
+    from cpkv.models import preset_config
 
     lengths = [int(x) for x in args.tokens.split(",")]
     cps = [int(x) for x in args.cps.split(",")]
-    config = ModelConfig.llama_3_2_1b()
+    config = preset_config("llama-3.2-1b")
     config = config.replace(
         max_position_embeddings=max(config.max_position_embeddings, max(lengths))
     )
@@ -206,7 +208,7 @@ def main() -> None:
     copy_bps = copy_bandwidth()
     torch.cuda.empty_cache()
     print(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s (1 GiB, best of 5)")
-    start_quiet_ray(None, max(cps))  # no Ray warnings here
+    ensure_ray(None, num_lanes=max(cps), quiet=True)  # no Ray warnings here
     payloads = []
     for n in lengths:
         payloads.append(run_length(config, n, cps, args.prompts, copy_bps))

@@ -18,14 +18,16 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Hashable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import numpy as np
 
-from cpkv.actors.ray_env import NAMESPACE, ensure_ray, local_gpu_count
-from cpkv.core.allocator import ExtendAllocation, split_slots_by_lane
+from cpkv.actors.pool import LaneOptions, Pool
+from cpkv.core.allocator import ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
+from cpkv.core.layout import PageLayout
 from cpkv.core.validate import (
     as_token_array,
     check_float,
@@ -50,6 +52,10 @@ __all__ = ["CPKVClient", "PrefillResult", "connect"]
 logger = logging.getLogger("cpkv.client")
 
 DEFAULT_NAME = "cpkv-coordinator"
+
+_T = TypeVar("_T")
+# A coordinator call: yields ``(ref, what)``, is sent the answer, returns the result.
+_Call = Generator[tuple[Any, str], Any, Any]
 
 
 def connect(
@@ -94,7 +100,8 @@ def connect(
             the one GPU of a single-GPU machine.
         num_cpus_per_lane: logical CPUs each lane reserves.
         strategy: ``STRICT_PACK`` (default), ``PACK``, ``SPREAD`` or ``STRICT_SPREAD``.
-        name: the coordinator's actor name; an existing one is attached to.
+        name: the coordinator's actor name; an existing one is attached to (a client that
+            attached leaves the pool running on :meth:`CPKVClient.shutdown`).
         timeout_s: every client call fails with RequestTimeoutError after this.
         start_timeout_s: how long a pool this call creates may take to start: its lanes
             placed, their processes up (importing torch, loading the model) and the
@@ -137,14 +144,7 @@ def connect(
         InvalidRequestError: bad sizes, or an existing coordinator of another shape.
         TimeoutError: the lanes could not be placed in time.
     """
-    from cpkv.core.steps import MODES
-
-    if attention_mode not in MODES:
-        raise InvalidRequestError(f"attention_mode={attention_mode!r}; expected one of {MODES}")
-    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-        raise InvalidRequestError(
-            f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]"
-        )
+    check_mode(attention_mode, "attention_mode")
     config = CPConfig(
         cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len, owner_split
     )
@@ -155,7 +155,18 @@ def connect(
     timeout_s = check_float("timeout_s", timeout_s)
     if lane_hang_s is None:
         lane_hang_s = max(60.0, 2 * timeout_s)
-    lane_hang_s = check_float("lane_hang_s", lane_hang_s)
+    options = LaneOptions(
+        num_gpus_per_lane=num_gpus_per_lane,
+        num_cpus_per_lane=num_cpus_per_lane,
+        strategy=strategy,
+        start_timeout_s=start_timeout_s,
+        detached=detached,
+        gpu_memory_utilization=gpu_memory_utilization,
+        heartbeat_s=heartbeat_s,
+        timeout_s=timeout_s,
+        lane_hang_s=check_float("lane_hang_s", lane_hang_s),
+    )
+    call_retries = check_int("call_retries", call_retries, minimum=0)
     spec = None
     if model is not None:
         from cpkv.models.spec import ModelSpec
@@ -163,96 +174,27 @@ def connect(
         spec = ModelSpec.from_source(model, seed=model_seed)
         num_layers, num_heads, head_dim, dtype = spec.kv_shape
     kv = KVShape(num_layers, num_heads, head_dim, dtype)
-    started = ensure_ray(
-        address,
-        num_cpus=max(4, cp_size + 2) if address is None else None,
-        num_gpus=(local_gpu_count() or cp_size) if address is None else None,
-    )
-    import ray
+    pool = Pool.open(address, name, config, kv, options, spec)
+    if not pool.created:
+        if gpu_memory_utilization is not None:  # sized by its creator: compare the rest
+            config = replace(config, num_pages_per_lane=pool.config.num_pages_per_lane)
+        if pool.config != config:
+            if pool.owns_ray:
+                import ray
 
-    if num_gpus_per_lane is None:
-        gpus = ray.cluster_resources().get("GPU", 0)
-        num_gpus_per_lane = 1.0 if gpus >= cp_size else (gpus / cp_size if gpus else 0.0)
-    try:
-        coordinator = ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        coordinator = None
-    placement = None
-    if coordinator is None:
-        from cpkv.actors.coordinator import CoordinatorActor
-        from cpkv.actors.placement import place_lanes
-
-        placement = place_lanes(
-            config,
-            kv,
-            num_gpus_per_lane=num_gpus_per_lane,
-            num_cpus_per_lane=num_cpus_per_lane,
-            strategy=strategy,
-            timeout_s=start_timeout_s,
-            # NOTE: unique per creation: two drivers racing to create one pool must
-            # not collide on lane names; the loser removes its lanes below.
-            name_prefix=f"{name}-{uuid.uuid4().hex[:8]}-",
-            detached=detached,
-            model=spec,
-            sized_later=gpu_memory_utilization is not None,
-        )
-        if gpu_memory_utilization is not None:
-            share = min(1.0, num_gpus_per_lane) if num_gpus_per_lane else 1.0 / cp_size
-            caps = ray.get(
-                [
-                    lane.kv_capacity.remote(gpu_memory_utilization, share)
-                    for lane in placement.lanes
-                ],
-                timeout=start_timeout_s,
+                ray.shutdown()
+            raise InvalidRequestError(
+                f"coordinator {name!r} exists with {pool.config}, asked for {config}"
             )
-            if min(caps) < 2:
-                placement.remove()
-                raise InvalidRequestError(
-                    f"gpu_memory_utilization={gpu_memory_utilization} leaves room for "
-                    f"{min(caps)} pages on the smallest lane (per lane: {caps})"
-                )
-            config = CPConfig(cp_size, page_size, min(caps), max_reqs, max_context_len, owner_split)
-        opts = {"name": name, "namespace": NAMESPACE, "get_if_exists": True}
-        if detached:
-            opts["lifetime"] = "detached"
-        vocab = spec.config.vocab_size if spec is not None else None
-        coordinator = CoordinatorActor.options(**opts).remote(
-            config, kv, placement.lane_names, heartbeat_s, timeout_s, lane_hang_s, vocab
-        )
-    client = CPKVClient(
-        coordinator,
+    return CPKVClient(
+        pool.coordinator,
         timeout_s=timeout_s,
-        placement=placement,
-        owns_ray=started,
+        pool=pool,
         lease_s=lease_s,
-        hello_timeout_s=start_timeout_s if placement is not None else None,
         namespace=namespace,
         call_retries=call_retries,
+        attention_mode=attention_mode,
     )
-    client.name = name
-    client.attention_mode = attention_mode
-    if placement is not None:
-        client._model_spec = spec  # a checkpoint written for this pool goes with it
-    elif spec is not None:
-        spec.remove()
-    if placement is None and gpu_memory_utilization is not None:
-        config = CPConfig(
-            cp_size,
-            page_size,
-            client.config.num_pages_per_lane,
-            max_reqs,
-            max_context_len,
-            owner_split,
-        )
-    if client.config != config and placement is None:
-        client.shutdown()
-        raise InvalidRequestError(
-            f"coordinator {name!r} exists with {client.config}, asked for {config}"
-        )
-    if placement is not None and client.lanes != placement.lanes:
-        placement.remove()  # lost a creation race: another driver's coordinator won
-        client._placement = None
-    return client
 
 
 @dataclass(slots=True)
@@ -326,15 +268,18 @@ class CPKVClient:
     Args:
         coordinator: the coordinator actor handle.
         timeout_s: seconds before a call fails with RequestTimeoutError.
-        placement: the lanes' placement when this client created them (it then owns
-            the pool: its :meth:`shutdown` stops it).
-        owns_ray: this client started Ray and stops it on :meth:`shutdown`.
+        pool: the pool the coordinator runs (see :class:`cpkv.actors.Pool`); when this
+            process created it, this client owns it (its :meth:`shutdown` stops it).
+            ``None``: the coordinator's pool, attached to.
         lease_s: this client's lease (see :func:`connect`); ``None`` for none.
-        hello_timeout_s: the first call's timeout when it differs (a coordinator just
-            created answers once it has reset its lanes); default ``timeout_s``.
         namespace: where this client's request ids live (``None``: a namespace of its own).
         call_retries: times a coordinator call that timed out is sent again, with the same
             call id (so it never takes effect twice).
+        attention_mode: the steps' attention exchange unless a call names one.
+
+    Raises:
+        InvalidRequestError: a bad ``call_retries`` or ``attention_mode``.
+        RequestTimeoutError, CoordinatorUnavailableError: the coordinator did not answer.
     """
 
     def __init__(
@@ -342,12 +287,11 @@ class CPKVClient:
         coordinator,
         *,
         timeout_s: float = 60.0,
-        placement=None,
-        owns_ray: bool = False,
+        pool: Pool | None = None,
         lease_s: float | None = None,
-        hello_timeout_s: float | None = None,
         namespace: str | None = None,
         call_retries: int = 1,
+        attention_mode: str = "auto",
     ) -> None:
         import ray
 
@@ -356,8 +300,6 @@ class CPKVClient:
         self._ray = ray
         self._coord = coordinator
         self.timeout_s = timeout_s
-        self._placement = placement
-        self._owns_ray = owns_ray
         self._calls = itertools.count()
         self.client_id = uuid.uuid4().hex[:16]
         self.lease_s = lease_s
@@ -365,10 +307,9 @@ class CPKVClient:
         self._lost: list = []
         self.namespace = namespace
         self.call_retries = check_int("call_retries", call_retries, minimum=0)
+        self.attention_mode = check_mode(attention_mode, "attention_mode")
         self._hello_args = (self.client_id, lease_s, namespace, process_holder())
-        hello = self._get(
-            self._coord.hello.remote(*self._hello_args), "hello", timeout=hello_timeout_s
-        )
+        hello = self._get(self._coord.hello.remote(*self._hello_args), "hello")
         self._epoch: str = hello["epoch"]
         self.config: CPConfig = hello["config"]
         self.kv: KVShape = hello["kv"]
@@ -376,54 +317,60 @@ class CPKVClient:
         self.lane_names: list[str] = hello.get("lane_names", [])
         self.vocab_size: int | None = hello.get("vocab_size")
         self._namespace_id: int = hello["namespace_id"]
+        self._layout = PageLayout(self.config.cp_size, self.config.page_size)
+        if pool is None:
+            pool = Pool(None, coordinator, self.config, self.lanes, self.lane_names)
+        self._pool = pool
+        self.name: str | None = pool.name  # the coordinator's actor name, when known
         # Per lane, the last page move the coordinator had queued at our last allocation.
         self._fence: list | None = None
         self._fence_lock = threading.Lock()
         self._lease = _LeaseKeeper(self, lease_s) if lease_s is not None else None
-        self.name: str | None = None  # the coordinator's actor name, when known
-        self.attention_mode = "auto"
-        self._model_spec = None
 
     @property
     def owns_pool(self) -> bool:
         """True when this client created the coordinator and lanes (shutdown stops them)."""
-        return self._placement is not None
+        return self._pool.created
 
-    # -------------------------------------------------------------- plumbing
-    def _call_id(self, call_id: Hashable | None = None) -> Hashable:
-        """A new call id, or the caller's (to retry a call that timed out, safely)."""
-        if call_id is None:
-            return (self.client_id, next(self._calls))
-        try:
-            hash(call_id)
-        except TypeError:
-            raise InvalidRequestError(f"call_id={call_id!r} must be hashable") from None
-        return call_id
+    # ------------------------------------------------------------------- RPC
+    # NOTE: a coordinator call is written once, as a generator that yields ``(ref, what)``
+    # and is sent the answer (or thrown the error, already cpkv's); :meth:`_run` waits with
+    # ``ray.get``, :meth:`_arun` with ``await``: sync and async twins share all but the wait.
+    def _run(self, call: _Call):
+        answer = error = None
+        while True:
+            try:
+                ref, what = call.send(answer) if error is None else call.throw(error)
+            except StopIteration as done:
+                return done.value
+            try:
+                answer, error = self._ray.get(ref, timeout=self.timeout_s), None
+            except Exception as e:
+                answer, error = None, self._translate(e, what)
 
-    def _get(self, ref, what: str, timeout: float | None = None, fenced: bool = False):
-        timeout = self.timeout_s if timeout is None else timeout
-        try:
-            out = self._ray.get(ref, timeout=timeout)
-        except Exception as e:
-            raise self._translate(e, what, timeout) from None
+    async def _arun(self, call: _Call):
+        answer = error = None
+        while True:
+            try:
+                ref, what = call.send(answer) if error is None else call.throw(error)
+            except StopIteration as done:
+                return done.value
+            try:
+                answer, error = await asyncio.wait_for(ref, timeout=self.timeout_s), None
+            except Exception as e:
+                answer, error = None, self._translate(e, what)
+
+    def _get(self, ref, what: str):
+        """One coordinator answer (no call id: status and lease calls)."""
+        return self._run(self._answer(ref, what))
+
+    def _answer(self, ref, what: str, fenced: bool = False) -> _Call:
+        out = yield ref, what
         return self._unwrap(self._take_fence(out) if fenced else out)
 
-    async def _aget(self, ref, what: str, fenced: bool = False):
-        try:
-            out = await asyncio.wait_for(ref, timeout=self.timeout_s)
-        except Exception as e:
-            raise self._translate(e, what) from None
-        return self._unwrap(self._take_fence(out) if fenced else out)
-
-    def _take_fence(self, out):
-        """Keep the latest move of each lane seen in any answer: answers of concurrent calls
-        arrive in any order, and a write must wait for the moves of its own allocation."""
-        answer, fence = out
-        with self._fence_lock:
-            self._fence = fence if self._fence is None else _later_fence(self._fence, fence)
-        return answer
-
-    def _request(self, method: str, *args, what: str, call_id=None, fenced: bool = False):
+    def _call(
+        self, method: str, *args, what: str, call_id: Hashable | None = None, fenced=False
+    ) -> _Call:
         """One coordinator call named by a call id. A call that times out is sent again with
         the same id (``call_retries`` times): the coordinator answers a repeat with its first
         answer, so it never takes effect twice.
@@ -435,32 +382,37 @@ class CPKVClient:
         for attempt in range(self.call_retries + 1):
             ref = getattr(self._coord, method).remote(self._epoch, self.client_id, call_id, *args)
             try:
-                return self._get(ref, what, fenced=fenced)
+                return (yield from self._answer(ref, what, fenced))
             except RequestTimeoutError as e:
                 if attempt == self.call_retries:
                     raise _retryable(e, call_id) from None
                 logger.info("%s timed out; sending it again as call %r", what, call_id)
         raise AssertionError("unreachable")
 
-    async def _arequest(self, method: str, *args, what: str, call_id=None, fenced=False):
-        """Async twin of :meth:`_request`."""
-        call_id = self._call_id(call_id)
-        for attempt in range(self.call_retries + 1):
-            ref = getattr(self._coord, method).remote(self._epoch, self.client_id, call_id, *args)
-            try:
-                return await self._aget(ref, what, fenced=fenced)
-            except RequestTimeoutError as e:
-                if attempt == self.call_retries:
-                    raise _retryable(e, call_id) from None
-        raise AssertionError("unreachable")
+    def _call_id(self, call_id: Hashable | None = None) -> Hashable:
+        """A new call id, or the caller's (to retry a call that timed out, safely)."""
+        if call_id is None:
+            return (self.client_id, next(self._calls))
+        try:
+            hash(call_id)
+        except TypeError:
+            raise InvalidRequestError(f"call_id={call_id!r} must be hashable") from None
+        return call_id
 
-    def _translate(self, e: Exception, what: str, timeout: float | None = None) -> Exception:
+    def _take_fence(self, out):
+        """Keep the latest move of each lane seen in any answer: answers of concurrent calls
+        arrive in any order, and a write must wait for the moves of its own allocation."""
+        answer, fence = out
+        with self._fence_lock:
+            self._fence = fence if self._fence is None else _later_fence(self._fence, fence)
+        return answer
+
+    def _translate(self, e: Exception, what: str) -> Exception:
         """Ray's timeout and actor errors as cpkv's; anything else unchanged."""
         ray = self._ray
         if isinstance(e, (ray.exceptions.GetTimeoutError, asyncio.TimeoutError)):
-            waited = self.timeout_s if timeout is None else timeout
-            return RequestTimeoutError(f"{what}: no answer within {waited}s")
-        if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+            return RequestTimeoutError(f"{what}: no answer within {self.timeout_s}s")
+        if isinstance(e, _actor_death(ray)):
             self._lose_all()
             return CoordinatorUnavailableError(
                 f"{what}: coordinator died ({type(e).__name__})", self._take_lost()
@@ -481,6 +433,16 @@ class CPKVClient:
             raise out
         return out
 
+    def _lane_lost(self, lane: int, what: str, detail: str) -> LaneUnavailableError:
+        """A lane call found ``lane`` dead: tell the coordinator, forget our requests lost
+        with it; the error to raise."""
+        lost = self._get(
+            self._coord.report_lane_failure.remote(self._epoch, lane, detail, self.client_id),
+            "report_lane_failure",
+        )
+        self._forget(lost)
+        return LaneUnavailableError(lane, lost, f"{what} failed")
+
     def _forget(self, rids) -> None:
         for rid in rids:
             self._rids.discard(rid)
@@ -495,6 +457,7 @@ class CPKVClient:
 
     # ------------------------------------------------------------ validation
     def _check_tokens(self, rid: Hashable, token_ids, *, step: bool = False) -> np.ndarray:
+        """``int64 [n]`` token ids, checked once here and passed on as they are."""
         tokens = as_token_array(token_ids, name=f"token_ids[{rid!r}]")
         if step:
             check_vocab(tokens, self.vocab_size, name=f"token_ids[{rid!r}]")
@@ -503,47 +466,7 @@ class CPKVClient:
                 f"rid={rid!r}: {tokens.shape[0]} tokens > max_context_len="
                 f"{self.config.max_context_len}"
             )
-        return _compact(tokens)
-
-    # ------------------------------------------------------------ allocation
-    def allocate_extend(
-        self,
-        rid: Hashable,
-        token_ids,
-        *,
-        cache_salt: str | bytes | None = None,
-        call_id: Hashable | None = None,
-    ) -> ExtendAllocation:
-        """Allocate one request's prefill step (see :meth:`cpkv.CPAllocator.allocate_extend`).
-
-        Request ids live in this client's namespace (see :func:`connect`): another job's
-        ``"req-0"`` is another request. Calls on one rid are serialised by the coordinator.
-
-        Args:
-            rid: request id, ``str`` or ``int``.
-            token_ids: the new tokens (the whole prompt for a new rid).
-            cache_salt: requests share cached pages only with requests of the same salt.
-            call_id: retry a call that raised RequestTimeoutError: pass its ``call_id``
-                (the answer, if the call took effect, is the first one; never a second
-                allocation).
-
-        Raises:
-            InvalidRequestError, KVCapacityWaitError, LaneUnavailableError,
-            LeaseExpiredError, StepFailedError, CoordinatorUnavailableError,
-            RequestTimeoutError.
-        """
-        rid, tokens = self._extend_args(rid, token_ids, cache_salt)
-        out = self._request(
-            "allocate_extend",
-            rid,
-            tokens,
-            cache_salt,
-            what="allocate_extend",
-            call_id=call_id,
-            fenced=True,
-        )
-        self._rids.add(rid)
-        return out
+        return tokens
 
     def _extend_args(self, rid, token_ids, cache_salt, *, step: bool = False):
         """Validate an extend's arguments on the caller's side (before any actor call);
@@ -552,100 +475,6 @@ class CPKVClient:
         tokens = self._check_tokens(rid, token_ids, step=step)
         check_salt(cache_salt)
         return rid, tokens
-
-    async def allocate_extend_async(
-        self,
-        rid: Hashable,
-        token_ids,
-        *,
-        cache_salt: str | bytes | None = None,
-        call_id: Hashable | None = None,
-    ) -> ExtendAllocation:
-        """Async twin of :meth:`allocate_extend`."""
-        rid, tokens = self._extend_args(rid, token_ids, cache_salt)
-        out = await self._arequest(
-            "allocate_extend",
-            rid,
-            tokens,
-            cache_salt,
-            what="allocate_extend",
-            call_id=call_id,
-            fenced=True,
-        )
-        self._rids.add(rid)
-        return out
-
-    def allocate_extend_with_backoff(
-        self,
-        rid: Hashable,
-        token_ids,
-        *,
-        cache_salt: str | bytes | None = None,
-        deadline_s: float = 30.0,
-        initial_backoff_s: float = 0.005,
-        max_backoff_s: float = 0.5,
-        rng: random.Random | None = None,
-    ) -> ExtendAllocation:
-        """:meth:`allocate_extend`, retried on KVCapacityWaitError with jittered backoff.
-
-        Raises:
-            KVCapacityWaitError: the last one, once ``deadline_s`` has passed.
-        """
-        rid, tokens = self._extend_args(rid, token_ids, cache_salt)
-
-        def once() -> ExtendAllocation:  # checked once above, not on every retry
-            out = self._request(
-                "allocate_extend", rid, tokens, cache_salt, what="allocate_extend", fenced=True
-            )
-            self._rids.add(rid)
-            return out
-
-        return self._with_backoff(
-            once,
-            deadline_s=deadline_s,
-            initial_backoff_s=initial_backoff_s,
-            max_backoff_s=max_backoff_s,
-            rng=rng,
-        )
-
-    @staticmethod
-    def _with_backoff(fn, *, deadline_s, initial_backoff_s, max_backoff_s, rng):
-        deadline_s = check_float("deadline_s", deadline_s)
-        initial_backoff_s = check_float("initial_backoff_s", initial_backoff_s)
-        max_backoff_s = check_float("max_backoff_s", max_backoff_s)
-        rng = rng or random.Random()
-        end = time.monotonic() + deadline_s
-        backoff = initial_backoff_s
-        while True:
-            try:
-                return fn()
-            except KVCapacityWaitError:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise
-                # Full jitter keeps many waiting callers from retrying in lockstep.
-                time.sleep(min(left, backoff * (0.5 + rng.random())))
-                backoff = min(max_backoff_s, backoff * 2)
-
-    def allocate_extend_batch(
-        self,
-        items: Sequence[tuple[Hashable, object]],
-        *,
-        cache_salt: str | bytes | None = None,
-        call_id: Hashable | None = None,
-    ) -> list:
-        """Allocate one prefill step of several requests, all or nothing."""
-        checked = self._batch_args(items, cache_salt, "allocate_extend_batch")
-        out = self._request(
-            "allocate_extend_batch",
-            checked,
-            cache_salt,
-            what="allocate_extend_batch",
-            call_id=call_id,
-            fenced=True,
-        )
-        self._rids.update(rid for rid, _ in checked)
-        return out
 
     def _batch_args(
         self, items, cache_salt, what: str, *, step: bool = False
@@ -681,29 +510,142 @@ class CPKVClient:
             check_vocab(toks, self.vocab_size)
         return rids, toks
 
+    def _free_args(self, rid, committed_len) -> Hashable:
+        rid = check_rid(rid)
+        if committed_len is not None:
+            check_int("committed_len", committed_len, minimum=0)
+        return rid
+
+    def _step_args(self, mode: str | None, probe) -> str:
+        """The step's mode; a step without a probe needs the pool's model."""
+        mode = check_mode(self.attention_mode if mode is None else mode)
+        if probe is None and self.vocab_size is None:
+            raise InvalidRequestError(
+                "this pool has no model: connect(..., model=...) to prefill and decode"
+            )
+        return mode
+
+    # ------------------------------------------------------------ allocation
+    def allocate_extend(
+        self,
+        rid: Hashable,
+        token_ids,
+        *,
+        cache_salt: str | bytes | None = None,
+        call_id: Hashable | None = None,
+    ) -> ExtendAllocation:
+        """Allocate one request's prefill step (see :meth:`cpkv.CPAllocator.allocate_extend`).
+
+        Request ids live in this client's namespace (see :func:`connect`): another job's
+        ``"req-0"`` is another request. Calls on one rid are serialised by the coordinator.
+
+        Args:
+            rid: request id, ``str`` or ``int``.
+            token_ids: the new tokens (the whole prompt for a new rid).
+            cache_salt: requests share cached pages only with requests of the same salt.
+            call_id: retry a call that raised RequestTimeoutError: pass its ``call_id``
+                (the answer, if the call took effect, is the first one; never a second
+                allocation).
+
+        Raises:
+            InvalidRequestError, KVCapacityWaitError, LaneUnavailableError,
+            LeaseExpiredError, StepFailedError, CoordinatorUnavailableError,
+            RequestTimeoutError.
+        """
+        rid, tokens = self._extend_args(rid, token_ids, cache_salt)
+        return self._run(self._extend(rid, tokens, cache_salt, call_id))
+
+    async def allocate_extend_async(
+        self,
+        rid: Hashable,
+        token_ids,
+        *,
+        cache_salt: str | bytes | None = None,
+        call_id: Hashable | None = None,
+    ) -> ExtendAllocation:
+        """Async twin of :meth:`allocate_extend`."""
+        rid, tokens = self._extend_args(rid, token_ids, cache_salt)
+        return await self._arun(self._extend(rid, tokens, cache_salt, call_id))
+
+    def _extend(self, rid, tokens: np.ndarray, cache_salt, call_id) -> _Call:
+        out = yield from self._call(
+            "allocate_extend",
+            rid,
+            tokens,
+            cache_salt,
+            what="allocate_extend",
+            call_id=call_id,
+            fenced=True,
+        )
+        self._rids.add(rid)
+        return out
+
+    def allocate_extend_with_backoff(
+        self,
+        rid: Hashable,
+        token_ids,
+        *,
+        cache_salt: str | bytes | None = None,
+        deadline_s: float = 30.0,
+        initial_backoff_s: float = 0.005,
+        max_backoff_s: float = 0.5,
+        rng: random.Random | None = None,
+    ) -> ExtendAllocation:
+        """:meth:`allocate_extend`, retried on KVCapacityWaitError with jittered backoff.
+
+        Raises:
+            KVCapacityWaitError: the last one, once ``deadline_s`` has passed.
+        """
+        rid, tokens = self._extend_args(rid, token_ids, cache_salt)
+        return _with_backoff(
+            # checked once above, not on every retry
+            lambda: self._run(self._extend(rid, tokens, cache_salt, None)),
+            deadline_s=deadline_s,
+            initial_backoff_s=initial_backoff_s,
+            max_backoff_s=max_backoff_s,
+            rng=rng,
+        )
+
+    def allocate_extend_batch(
+        self,
+        items: Sequence[tuple[Hashable, object]],
+        *,
+        cache_salt: str | bytes | None = None,
+        call_id: Hashable | None = None,
+    ) -> list:
+        """Allocate one prefill step of several requests, all or nothing."""
+        checked = self._batch_args(items, cache_salt, "allocate_extend_batch")
+        out = self._run(
+            self._call(
+                "allocate_extend_batch",
+                checked,
+                cache_salt,
+                what="allocate_extend_batch",
+                call_id=call_id,
+                fenced=True,
+            )
+        )
+        self._rids.update(rid for rid, _ in checked)
+        return out
+
     def allocate_decode(
         self, rids: Sequence[Hashable], token_ids=None, *, call_id: Hashable | None = None
     ) -> np.ndarray:
         """One more token for each request; ``int64 [len(rids)]`` slots."""
         rids, toks = self._decode_args(rids, token_ids)
-        return self._request(
-            "allocate_decode", rids, toks, what="allocate_decode", call_id=call_id, fenced=True
-        )
+        return self._run(self._decode_call(rids, toks, call_id))
 
     async def allocate_decode_async(
         self, rids: Sequence[Hashable], token_ids=None, *, call_id: Hashable | None = None
     ) -> np.ndarray:
         """Async twin of :meth:`allocate_decode`."""
         rids, toks = self._decode_args(rids, token_ids)
-        return await self._arequest(
+        return await self._arun(self._decode_call(rids, toks, call_id))
+
+    def _decode_call(self, rids: list, toks: np.ndarray | None, call_id) -> _Call:
+        return self._call(
             "allocate_decode", rids, toks, what="allocate_decode", call_id=call_id, fenced=True
         )
-
-    def _free_args(self, rid, committed_len) -> Hashable:
-        rid = check_rid(rid)
-        if committed_len is not None:
-            check_int("committed_len", committed_len, minimum=0)
-        return rid
 
     def free(
         self,
@@ -717,9 +659,7 @@ class CPKVClient:
         whose K/V is known written: a request whose step failed, or is still running,
         caches no page of that step)."""
         rid = self._free_args(rid, committed_len)
-        out = self._request("free", rid, bool(cache), committed_len, what="free", call_id=call_id)
-        self._forget([rid])
-        return out
+        return self._run(self._free(rid, cache, committed_len, call_id))
 
     async def free_async(
         self,
@@ -731,7 +671,10 @@ class CPKVClient:
     ) -> int:
         """Async twin of :meth:`free`."""
         rid = self._free_args(rid, committed_len)
-        out = await self._arequest(
+        return await self._arun(self._free(rid, cache, committed_len, call_id))
+
+    def _free(self, rid, cache, committed_len, call_id) -> _Call:
+        out = yield from self._call(
             "free", rid, bool(cache), committed_len, what="free", call_id=call_id
         )
         self._forget([rid])
@@ -779,25 +722,12 @@ class CPKVClient:
         if deadline_s is not None:
             check_float("deadline_s", deadline_s)
         rid, tokens = self._extend_args(rid, token_ids, cache_salt, step=probe is None)
-        mode = self._mode(mode)
-        self._check_model(probe)
+        mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
-
-        def once():
-            out = self._request(
-                "prefill",
-                rid,
-                tokens,
-                cache_salt,
-                mode,
-                probe,
-                what="prefill",
-                call_id=call_id,
-            )
-            self._rids.add(rid)
-            return out
-
-        out = once() if deadline_s is None else self._backoff(once, deadline_s)
+        out = self._step(
+            "prefill", rid, tokens, cache_salt, mode, probe, call_id=call_id, deadline_s=deadline_s
+        )
+        self._rids.add(rid)
         return self._step_results(out, "prefill", [rid], call_id)[0]
 
     def prefill_batch(
@@ -811,17 +741,9 @@ class CPKVClient:
     ) -> list[PrefillResult]:
         """Prefill several requests in one step (each sequence split by its own plan)."""
         checked = self._batch_args(items, cache_salt, "prefill_batch", step=probe is None)
-        self._check_model(probe)
+        mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
-        out = self._request(
-            "prefill_batch",
-            checked,
-            cache_salt,
-            self._mode(mode),
-            probe,
-            what="prefill_batch",
-            call_id=call_id,
-        )
+        out = self._step("prefill_batch", checked, cache_salt, mode, probe, call_id=call_id)
         self._rids.update(rid for rid, _ in checked)
         return self._step_results(out, "prefill_batch", [rid for rid, _ in checked], call_id)
 
@@ -853,14 +775,9 @@ class CPKVClient:
         rids, toks = self._decode_args(rids, token_ids, step=probe is None)
         if toks is None:
             raise InvalidRequestError("decode needs the token id of every request")
-        mode = self._mode(mode)
-        self._check_model(probe)
+        mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
-
-        def once():
-            return self._request("decode", rids, toks, mode, probe, what="decode", call_id=call_id)
-
-        out = once() if deadline_s is None else self._backoff(once, deadline_s)
+        out = self._step("decode", rids, toks, mode, probe, call_id=call_id, deadline_s=deadline_s)
         results = self._wait_step(out["lanes"], "decode", rids, call_id)
         if probe is not None:
             return _assemble_probe(results, len(rids))
@@ -890,24 +807,16 @@ class CPKVClient:
             out.append(int(np.argmax(self.decode([rid], [out[-1]])[0])))
         return out
 
-    def _mode(self, mode: str | None) -> str:
-        from cpkv.core.steps import MODES
+    def _step(self, method: str, *args, call_id: Hashable, deadline_s: float | None = None):
+        """Send a step to the coordinator (capacity waits retried with backoff until
+        ``deadline_s``); its answer: the allocations and the lanes' result handles."""
 
-        mode = self.attention_mode if mode is None else mode
-        if mode not in MODES:
-            raise InvalidRequestError(f"mode={mode!r}; expected one of {MODES}")
-        return mode
+        def once():
+            return self._run(self._call(method, *args, what=method, call_id=call_id))
 
-    def _check_model(self, probe) -> None:
-        if probe is None and self.vocab_size is None:
-            raise InvalidRequestError(
-                "this pool has no model: connect(..., model=...) to prefill and decode"
-            )
-
-    def _backoff(self, fn, deadline_s: float):
-        return self._with_backoff(
-            fn, deadline_s=deadline_s, initial_backoff_s=0.005, max_backoff_s=0.5, rng=None
-        )
+        if deadline_s is None:
+            return once()
+        return _with_backoff(once, deadline_s=deadline_s)
 
     def _step_results(
         self, out: dict, what: str, rids: list, call_id: Hashable = None
@@ -964,9 +873,8 @@ class CPKVClient:
                 r = index[ref]
                 try:
                     results[r] = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                    lost = self._report_lane(r, f"{what}: lane died")
-                    raise LaneUnavailableError(r, lost, f"{what} failed") from None
+                except _actor_death(ray):
+                    raise self._lane_lost(r, what, f"{what}: lane died") from None
                 except ray.exceptions.RayTaskError as e:
                     errors.append((r, e.as_instanceof_cause()))
         if errors:
@@ -974,15 +882,6 @@ class CPKVClient:
             detail = f"lane {lane}: {type(cause).__name__}: {str(cause)[:300]}"
             raise StepFailedError(rids[0] if len(rids) == 1 else tuple(rids), detail) from cause
         return [results[r] for r in range(len(handles))]
-
-    def _report_lane(self, lane: int, detail: str) -> list:
-        """Tell the coordinator ``lane`` failed; forget and return our requests lost with it."""
-        lost = self._get(
-            self._coord.report_lane_failure.remote(self._epoch, lane, detail, self.client_id),
-            "report_lane_failure",
-        )
-        self._forget(lost)
-        return lost
 
     # ------------------------------------------------------------------- KV
     def _check_kv(self, slots: np.ndarray, k, v) -> None:
@@ -1028,9 +927,7 @@ class CPKVClient:
         if layer >= self.kv.num_layers:
             raise InvalidRequestError(f"layer={layer} >= num_layers={self.kv.num_layers}")
         calls = {}
-        for r, (idx, local) in enumerate(
-            split_slots_by_lane(slots, self.config.page_size, self.config.cp_size)
-        ):
+        for r, (idx, local) in enumerate(self._layout.split_slots(slots)):
             if idx.size:
                 ti = _index(idx)
                 calls[r] = (self.lanes[r].store_kv, (local, k[ti], v[ti], layer))
@@ -1041,7 +938,7 @@ class CPKVClient:
         import torch
 
         slots = self._slots(slots)
-        parts = split_slots_by_lane(slots, self.config.page_size, self.config.cp_size)
+        parts = self._layout.split_slots(slots)
         calls = {
             r: (self.lanes[r].gather_kv, (local, layer))
             for r, (idx, local) in enumerate(parts)
@@ -1105,9 +1002,8 @@ class CPKVClient:
                 raise RequestTimeoutError(
                     f"{what}: lane {r} silent for {self.timeout_s}s"
                 ) from None
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                lost = self._report_lane(r, f"{what}: {type(e).__name__}")
-                raise LaneUnavailableError(r, lost, f"{what} failed") from None
+            except _actor_death(ray) as e:
+                raise self._lane_lost(r, what, f"{what}: {type(e).__name__}") from None
         return out
 
     # ---------------------------------------------------------------- status
@@ -1120,7 +1016,7 @@ class CPKVClient:
 
     async def stats_async(self) -> dict:
         """Async twin of :meth:`stats`."""
-        return await self._aget(self._coord.stats.remote(), "stats")
+        return await self._arun(self._answer(self._coord.stats.remote(), "stats"))
 
     def check(self) -> dict:
         """Core invariants and each lane's count against the mirror: ``{"ok", "problems"}``."""
@@ -1162,36 +1058,60 @@ class CPKVClient:
             with contextlib.suppress(Exception):  # the pool is gone already
                 self._ray.get(self._coord.close_lease.remote(self.client_id), timeout=5)
         self._rids.clear()
-        if self._owns_ray:
+        if self._pool.owns_ray:
             self._ray.shutdown()
 
     def stop_pool(self) -> None:
         """Stop the coordinator and its lanes for every client (whoever created them)."""
-        ray = self._ray
-        with contextlib.suppress(Exception):  # already gone
-            ray.get(self._coord.shutdown.remote(), timeout=5)
-        ray.kill(self._coord, no_restart=True)
-        if self._placement is not None:
-            self._placement.remove()
-            self._placement = None
-            if self._model_spec is not None:
-                self._model_spec.remove()
-            return
-        from ray.util.placement_group import get_placement_group, remove_placement_group
-
-        for lane in self.lanes:
-            with contextlib.suppress(Exception):
-                ray.kill(lane, no_restart=True)
-        if self.lane_names:
-            prefix = self.lane_names[0].rsplit("lane", 1)[0]
-            with contextlib.suppress(Exception):  # no such group (another stopped it)
-                remove_placement_group(get_placement_group(f"{prefix}lanes"))
+        self._pool.stop()
 
     def __enter__(self) -> CPKVClient:
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def check_mode(mode: object, name: str = "mode") -> str:
+    """``mode`` when it is one of the attention exchanges, else InvalidRequestError."""
+    from cpkv.core.steps import MODES
+
+    if mode not in MODES:
+        raise InvalidRequestError(f"{name}={mode!r}; expected one of {MODES}")
+    return mode
+
+
+def _with_backoff(
+    fn: Callable[[], _T],
+    *,
+    deadline_s: float,
+    initial_backoff_s: float = 0.005,
+    max_backoff_s: float = 0.5,
+    rng: random.Random | None = None,
+) -> _T:
+    """``fn()``, called again on KVCapacityWaitError with jittered exponential backoff until
+    ``deadline_s`` has passed (then the last one is raised)."""
+    deadline_s = check_float("deadline_s", deadline_s)
+    initial_backoff_s = check_float("initial_backoff_s", initial_backoff_s)
+    max_backoff_s = check_float("max_backoff_s", max_backoff_s)
+    rng = rng or random.Random()
+    end = time.monotonic() + deadline_s
+    backoff = initial_backoff_s
+    while True:
+        try:
+            return fn()
+        except KVCapacityWaitError:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise
+            # Full jitter keeps many waiting callers from retrying in lockstep.
+            time.sleep(min(left, backoff * (0.5 + rng.random())))
+            backoff = min(max_backoff_s, backoff * 2)
+
+
+def _actor_death(ray) -> tuple[type[Exception], ...]:
+    """What Ray raises for a call on an actor that died or is restarting."""
+    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
 def _retryable(e: RequestTimeoutError, call_id: Hashable) -> RequestTimeoutError:
@@ -1215,13 +1135,6 @@ def _later_fence(old: list, new: list) -> list:
         keep_old = ea == eb and na.isdigit() and nb.isdigit() and int(na) > int(nb)
         out.append(a if keep_old else b)
     return out
-
-
-def _compact(tokens: np.ndarray) -> np.ndarray:
-    """Token ids as int32 when they fit (half the bytes through Ray); the core widens them."""
-    if tokens.shape[0] and int(tokens.max()) < 2**31:
-        return tokens.astype(np.int32)
-    return tokens
 
 
 def _assemble_probe(results: list[dict], num_tokens: int) -> np.ndarray:

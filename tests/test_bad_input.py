@@ -164,7 +164,7 @@ def test_connect_rejects_bad_sizes_before_starting_anything(kwargs, needle, monk
         raise AssertionError("Ray was touched")
 
     monkeypatch.setattr(env, "ensure_ray", no_ray)
-    monkeypatch.setattr("cpkv.client.ensure_ray", no_ray)
+    monkeypatch.setattr("cpkv.actors.pool.ensure_ray", no_ray)
     with pytest.raises(ValueError, match=needle):
         cpkv.connect(**kwargs)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cpkv.tools.demo import DemoConfig, Reference, demo_model_config, rel_err, run
+from cpkv.models.presets import small_config
+from cpkv.tools.demo import DemoConfig, Reference, rel_err, run
 from tests.conftest import GPUS_PER_LANE
 
 pytestmark = pytest.mark.ray
@@ -82,7 +83,7 @@ def test_reference_attends_causally_with_gqa():
 
     from cpkv.models import LlamaModel
 
-    ref = Reference(LlamaModel.random(demo_model_config(), seed=0))
+    ref = Reference(LlamaModel.random(small_config(), seed=0))
     q = torch.randn(7, 8, 16)
     k, v = torch.randn(7, 2, 16), torch.randn(7, 2, 16)
     got = ref._attend(0, q, k, v)

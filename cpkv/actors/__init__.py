@@ -1,7 +1,7 @@
-"""Thin Ray shells over the core: the coordinator, the lanes and their placement."""
+"""Thin Ray shells over the core: the coordinator, the lanes and the pool that places them."""
 
 from cpkv.actors.coordinator import CoordinatorActor
 from cpkv.actors.lane import LaneActor
-from cpkv.actors.placement import LanePlacement, place_lanes
+from cpkv.actors.pool import LaneOptions, Pool
 
-__all__ = ["CoordinatorActor", "LaneActor", "LanePlacement", "place_lanes"]
+__all__ = ["CoordinatorActor", "LaneActor", "LaneOptions", "Pool"]

@@ -1,10 +1,12 @@
-"""Starting or attaching to Ray, with local runs kept on loopback."""
+"""Starting or attaching to Ray, with local runs kept on loopback: the one Ray starter."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+
+__all__ = ["NAMESPACE", "ensure_ray", "keep_ray_on_loopback", "local_gpu_count"]
 
 logger = logging.getLogger("cpkv")
 
@@ -33,13 +35,19 @@ def keep_ray_on_loopback() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
-def ensure_ray(
-    address: str | None, *, num_cpus: float | None = None, num_gpus: float | None = None
-) -> bool:
-    """Attach to Ray, or start an embedded local one; return True when we started it.
+def ensure_ray(address: str | None, *, num_lanes: int, quiet: bool = False) -> bool:
+    """Attach to Ray, or start an embedded local one, unless this process has Ray already.
 
-    ``address=None`` starts a local Ray bound to 127.0.0.1 (logical GPUs when the
-    machine has none); ``"auto"`` or ``"ray://host:port"`` attaches to a cluster.
+    Args:
+        address: ``None`` starts a local Ray bound to 127.0.0.1 with room for ``num_lanes``
+            lanes (logical GPUs when the machine has none); ``"auto"`` or
+            ``"ray://host:port"`` attaches to a cluster.
+        num_lanes: lanes the local Ray must hold.
+        quiet: worker output is not forwarded to this terminal and Ray logs errors only, so
+            no lane log line or Ray warning tears through a progress bar (the tools).
+
+    Returns:
+        True when this call initialised Ray in this process (the caller shuts it down).
     """
     if address is None:
         keep_ray_on_loopback()
@@ -47,17 +55,20 @@ def ensure_ray(
 
     if ray.is_initialized():
         return False
+    level = logging.ERROR if quiet else logging.WARNING
     if address is not None:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
-        return False
+        # Attached loudly: Ray's own logging defaults.
+        logs = {"configure_logging": True, "logging_level": level} if quiet else {}
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=not quiet, **logs)
+        return True
     ray.init(
         address="local",  # a new Ray of our own, never one found via RAY_ADDRESS or /tmp/ray
         include_dashboard=False,
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
+        num_cpus=max(4, num_lanes + 2),
+        num_gpus=local_gpu_count() or num_lanes,  # logical GPUs without real ones
         namespace=NAMESPACE,
-        log_to_driver=True,
+        log_to_driver=not quiet,
         configure_logging=True,
-        logging_level=logging.WARNING,
+        logging_level=level,
     )
     return True

@@ -32,11 +32,14 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from cpkv.core.layout import PageLayout
 from cpkv.errors import KVCapacityWaitError
+from cpkv.models.presets import MODEL_PRESETS, preset_config
 
 __all__ = [
     "PREFILL_FIELDS",
@@ -83,9 +86,9 @@ class BenchConfig:
 def _point(cfg: BenchConfig, cp: int, context: int) -> dict:
     import cpkv
 
-    pages_per_req = -(-context // cfg.page_size)
+    layout = PageLayout(cp, cfg.page_size)
     # Room for `concurrency` requests plus slack: more than that must evict or wait.
-    per_lane = -(-pages_per_req * cfg.concurrency // cp) + 2 * cp + 2
+    per_lane = layout.pages_per_lane_for(layout.pages_for(context) * cfg.concurrency) + 2 * cp + 2
     client = cpkv.connect(
         cfg.address,
         cp_size=cp,
@@ -128,7 +131,7 @@ def _point(cfg: BenchConfig, cp: int, context: int) -> dict:
                         continue
                     dt = time.perf_counter() - t0
                     break
-                counts = np.bincount(alloc.new_pages % cp, minlength=cp)
+                counts = layout.count_by_lane(alloc.new_pages)
                 client.free(f"b{i}", cache=True)
                 with lock:
                     latencies.append(dt)
@@ -170,38 +173,76 @@ def _point(cfg: BenchConfig, cp: int, context: int) -> dict:
 
 def run_bench(cfg: BenchConfig) -> list[dict]:
     """Run every point; write ``bench.json``, ``bench.csv`` and ``bench.png`` to ``out_dir``."""
-    from tqdm import tqdm
-
-    from cpkv.tools.demo import start_quiet_ray
-
-    started = start_quiet_ray(cfg.address, max(cfg.lanes))
     points = [(cp, ctx) for cp in cfg.lanes for ctx in cfg.contexts]
+    rows = _run_points(
+        points,
+        lambda cp, ctx: _point(cfg, cp, ctx),
+        address=cfg.address,
+        num_lanes=max(cfg.lanes),
+        progress=cfg.progress,
+        desc="bench",
+    )
+    meta = {"config": asdict(cfg), **_machine()}
+    _write(cfg.out_dir, "bench", meta, rows, FIELDS, _plot if cfg.plot else None)
+    _print(rows)
+    return rows
+
+
+def _run_points(
+    points: list[tuple],
+    run_point: Callable[..., dict],
+    *,
+    address: str | None,
+    num_lanes: int,
+    progress: bool,
+    desc: str,
+) -> list[dict]:
+    """Run each point (a fresh pool each) under a progress bar, Ray started quietly when this
+    process has none (and stopped after); the rows, in order."""
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from cpkv.actors.ray_env import ensure_ray
+
+    started = ensure_ray(address, num_lanes=num_lanes, quiet=True)
     rows = []
     try:
-        for cp, ctx in tqdm(points, desc="bench", unit="point", disable=not cfg.progress):
-            rows.append(_point(cfg, cp, ctx))
+        bar = tqdm(points, desc=desc, unit="point", disable=not progress)
+        with logging_redirect_tqdm():
+            for point in bar:
+                bar.set_postfix_str(", ".join(map(str, point)))
+                rows.append(run_point(*point))
     finally:
         if started:
             import ray
 
             ray.shutdown()
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    meta = {
-        "config": asdict(cfg),
+    return rows
+
+
+def _machine() -> dict:
+    return {
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    with open(os.path.join(cfg.out_dir, "bench.json"), "w") as f:
+
+
+def _write(out_dir: str, base: str, meta: dict, rows: list[dict], fields: list[str], plot) -> None:
+    """``{base}.json`` (meta and rows), ``{base}.csv`` (``fields``; lists as JSON) and, with
+    ``plot``, ``{base}.png`` in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, base)
+    with open(path + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    with open(os.path.join(cfg.out_dir, "bench.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+    with open(path + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
-        w.writerows(rows)
-    if cfg.plot:
-        _plot(rows, os.path.join(cfg.out_dir, "bench.png"))
-    _print(rows)
-    return rows
+        for row in rows:
+            w.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
+    if plot is not None:
+        plot(rows, path + ".png")
 
 
 def _print(rows: list[dict]) -> None:
@@ -287,9 +328,6 @@ PREFILL_FIELDS = [
 #: each way (900 GB/s both); GB/s are bytes.
 DEFAULT_LINK_GB_PER_S = 450.0
 
-#: Random-weight models ``--model`` names instead of a checkpoint directory.
-MODEL_PRESETS = ("small", "tiny", "llama-3.2-1b")
-
 
 @dataclass(slots=True)
 class PrefillBenchConfig:
@@ -336,16 +374,10 @@ class PrefillBenchConfig:
 
 def _model_spec(cfg: PrefillBenchConfig):
     """The :class:`cpkv.models.spec.ModelSpec` every point's lanes load."""
-    from cpkv.models import ModelConfig
     from cpkv.models.spec import ModelSpec
-    from cpkv.tools.demo import demo_model_config
 
     if cfg.model in MODEL_PRESETS:
-        config = {
-            "small": demo_model_config,
-            "tiny": ModelConfig.tiny,
-            "llama-3.2-1b": ModelConfig.llama_3_2_1b,
-        }[cfg.model]()
+        config = preset_config(cfg.model)
         longest = max(cfg.contexts or [0])
         config = config.replace(
             max_position_embeddings=max(config.max_position_embeddings, longest)
@@ -382,7 +414,7 @@ def causal_work_by_lane(alloc, cp_size: int) -> np.ndarray:
     What a causal kernel that skips masked tiles spends per lane: the planned balance.
     """
     positions = alloc.prefix_len + np.arange(alloc.extend_len, dtype=np.int64)
-    lanes = (alloc.out_cache_loc // alloc.page_size) % cp_size
+    lanes, _ = PageLayout(cp_size, alloc.page_size).local_slots(alloc.out_cache_loc)
     return np.bincount(lanes, weights=positions + 1, minlength=cp_size)
 
 
@@ -427,7 +459,7 @@ def step_exchange_bytes(alloc, cp_size: int, config, mode: str) -> list[int]:
 
 
 def _tokens_by_lane(alloc, cp_size: int) -> np.ndarray:
-    lanes = (np.asarray(alloc.out_cache_loc) // alloc.page_size) % cp_size
+    lanes, _ = PageLayout(cp_size, alloc.page_size).local_slots(np.asarray(alloc.out_cache_loc))
     return np.bincount(lanes, minlength=cp_size).astype(np.float64)
 
 
@@ -482,9 +514,9 @@ def _prefill_point(cfg: PrefillBenchConfig, spec, cp: int, context: int, split: 
 
     import cpkv
 
-    pages = -(-context // cfg.page_size)
+    layout = PageLayout(cp, cfg.page_size)
     # One request at a time: its share of pages on every lane, the reserved page and slack.
-    per_lane = -(-pages // cp) + 3
+    per_lane = layout.pages_per_lane_for(layout.pages_for(context)) + 3
     client = cpkv.connect(
         cfg.address,
         cp_size=cp,
@@ -593,38 +625,25 @@ def prefill_points(cfg: PrefillBenchConfig) -> list[tuple[int, int, str]]:
 def run_prefill_bench(cfg: PrefillBenchConfig) -> list[dict]:
     """Run every prefill point; write ``bench_prefill.json``, ``bench_prefill.csv`` and
     ``bench_prefill.png`` to ``out_dir``; the rows."""
-    from tqdm import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    from cpkv.tools.demo import start_quiet_ray
-
     if cfg.contexts is None:
         cfg.contexts = [2 << 10, 4 << 10]
     spec = _model_spec(cfg)
-    points = prefill_points(cfg)
-    started = start_quiet_ray(cfg.address, max(cfg.lanes))
-    rows = []
     try:
-        bar = tqdm(points, desc="bench --prefill", unit="point", disable=not cfg.progress)
-        with logging_redirect_tqdm():
-            for cp, ctx, split in bar:
-                bar.set_postfix_str(f"cp {cp}, {ctx} tokens, {split}")
-                rows.append(_prefill_point(cfg, spec, cp, ctx, split))
+        rows = _run_points(
+            prefill_points(cfg),
+            lambda cp, ctx, split: _prefill_point(cfg, spec, cp, ctx, split),
+            address=cfg.address,
+            num_lanes=max(cfg.lanes),
+            progress=cfg.progress,
+            desc="bench --prefill",
+        )
     finally:
-        if started:
-            import ray
-
-            ray.shutdown()
         spec.remove()
     add_projection(rows, cfg.link_gb_per_s)
-    os.makedirs(cfg.out_dir, exist_ok=True)
     meta = {
         "config": asdict(cfg),
         "model_config": asdict(spec.config),
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **_machine(),
         "notes": (
             "lane_ms: each lane's step time (PrefillResult.lane_seconds), which includes "
             "waiting in the lanes' collectives; lane_busy_ms: that minus the time in the "
@@ -639,16 +658,8 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> list[dict]:
             "cp 1's split by the plan) plus the busiest lane's bytes at link_gb_per_s"
         ),
     }
-    base = os.path.join(cfg.out_dir, "bench_prefill")
-    with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    with open(base + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=PREFILL_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
-    if cfg.plot:
-        _plot_prefill(rows, base + ".png")
+    plot = _plot_prefill if cfg.plot else None
+    _write(cfg.out_dir, "bench_prefill", meta, rows, PREFILL_FIELDS, plot)
     _print_prefill(rows)
     return rows
 

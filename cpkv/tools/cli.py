@@ -29,6 +29,16 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _add_run_arguments(p: argparse.ArgumentParser, *, page_size: int) -> None:
+    """The arguments every command shares: where the lanes run and how the run looks."""
+    g = p.add_argument_group("pool and run")
+    g.add_argument("--page-size", type=int, default=page_size)
+    g.add_argument("--address", default=None, help="'auto' or ray://...; default: embedded Ray")
+    g.add_argument("--num-gpus-per-lane", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0, help="random weights' and prompts' seed")
+    g.add_argument("--no-progress", action="store_true")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpkv", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -43,15 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--cp-size", type=int, default=4)
     d.add_argument("--prompts", type=int, default=24)
     d.add_argument("--workers", type=int, default=4)
-    d.add_argument("--seed", type=int, default=0, help="random weights' and prompts' seed")
     d.add_argument("--decode-tokens", type=int, default=3)
-    d.add_argument("--page-size", type=int, default=16)
     d.add_argument(
         "--pages-per-lane", type=int, default=None, help="default: sized for pool pressure"
     )
-    d.add_argument("--address", default=None, help="'auto' or ray://...; default: embedded Ray")
-    d.add_argument("--num-gpus-per-lane", type=float, default=None)
-    d.add_argument("--no-progress", action="store_true")
+    _add_run_arguments(d, page_size=16)
     b = sub.add_parser(
         "bench",
         help="allocation scaling over lanes and context lengths; --prefill: prefill time on "
@@ -70,7 +76,6 @@ def _parser() -> argparse.ArgumentParser:
         help="default 32k,128k (--prefill: 2k,4k; pass 32k on GPUs)",
     )
     b.add_argument("--requests", type=int, default=None, help="default 8 (--prefill: 3)")
-    b.add_argument("--page-size", type=int, default=64)
     b.add_argument("--concurrency", type=int, default=2, help="allocation bench threads")
     b.add_argument(
         "--model",
@@ -87,14 +92,46 @@ def _parser() -> argparse.ArgumentParser:
         help="--prefill: link rate (GB/s, one way) of the one-GPU-per-lane projection "
         "(default: NVLink-class 450)",
     )
-    b.add_argument("--address", default=None)
     b.add_argument("--strategy", default="STRICT_PACK")
-    b.add_argument("--num-gpus-per-lane", type=float, default=None)
     b.add_argument("--out", default="results")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--no-progress", action="store_true")
     b.add_argument("--no-plot", action="store_true")
+    _add_run_arguments(b, page_size=64)
     return p
+
+
+def _bench_config(args: argparse.Namespace):
+    """The :class:`BenchConfig`, or with ``--prefill`` the :class:`PrefillBenchConfig`, of
+    the parsed ``cpkv bench`` arguments."""
+    from cpkv.tools.bench import BenchConfig, PrefillBenchConfig
+
+    common = dict(
+        page_size=args.page_size,
+        address=args.address,
+        strategy=args.strategy,
+        num_gpus_per_lane=args.num_gpus_per_lane,
+        out_dir=args.out,
+        progress=not args.no_progress,
+        plot=not args.no_plot,
+        seed=args.seed,
+    )
+    if args.prefill:
+        return PrefillBenchConfig(
+            lanes=args.lanes or [1, 2, 4],
+            contexts=args.context,
+            requests=args.requests or 3,
+            model=args.model,
+            dtype=args.dtype,
+            attention_mode=args.attention_mode,
+            **({} if args.link_gbps is None else {"link_gb_per_s": args.link_gbps}),
+            **common,
+        )
+    return BenchConfig(
+        lanes=args.lanes or [1, 2, 4, 8],
+        contexts=args.context or [32 << 10, 128 << 10],
+        requests=args.requests or 8,
+        concurrency=args.concurrency,
+        **common,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,45 +158,13 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
         )
         return run_demo(cfg)
-    if args.prefill:
-        from cpkv.tools.bench import PrefillBenchConfig, run_prefill_bench
+    from cpkv.tools.bench import PrefillBenchConfig, run_bench, run_prefill_bench
 
-        pcfg = PrefillBenchConfig(
-            lanes=args.lanes or [1, 2, 4],
-            contexts=args.context,
-            requests=args.requests or 3,
-            page_size=args.page_size,
-            model=args.model,
-            dtype=args.dtype,
-            attention_mode=args.attention_mode,
-            address=args.address,
-            strategy=args.strategy,
-            num_gpus_per_lane=args.num_gpus_per_lane,
-            out_dir=args.out,
-            progress=not args.no_progress,
-            plot=not args.no_plot,
-            seed=args.seed,
-            **({} if args.link_gbps is None else {"link_gb_per_s": args.link_gbps}),
-        )
-        run_prefill_bench(pcfg)
-        return 0
-    from cpkv.tools.bench import BenchConfig, run_bench
-
-    cfg = BenchConfig(
-        lanes=args.lanes or [1, 2, 4, 8],
-        contexts=args.context or [32 << 10, 128 << 10],
-        requests=args.requests or 8,
-        page_size=args.page_size,
-        concurrency=args.concurrency,
-        address=args.address,
-        strategy=args.strategy,
-        num_gpus_per_lane=args.num_gpus_per_lane,
-        out_dir=args.out,
-        progress=not args.no_progress,
-        plot=not args.no_plot,
-        seed=args.seed,
-    )
-    run_bench(cfg)
+    cfg = _bench_config(args)
+    if isinstance(cfg, PrefillBenchConfig):
+        run_prefill_bench(cfg)
+    else:
+        run_bench(cfg)
     return 0
 
 

@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cpkv.core.layout import PageLayout
 from cpkv.errors import KVCapacityWaitError
 from cpkv.models.config import ModelConfig
+from cpkv.models.presets import small_config
 from cpkv.tools.workload import shared_prefix_prompts
 
 __all__ = [
@@ -41,11 +43,9 @@ __all__ = [
     "DemoResult",
     "Reference",
     "auto_pages_per_lane",
-    "demo_model_config",
     "rel_err",
     "run",
     "run_demo",
-    "start_quiet_ray",
     "tolerance_for",
 ]
 
@@ -55,23 +55,6 @@ logger = logging.getLogger("cpkv.tools.demo")
 #: reference differ by summation order only; bf16 / fp16 round every layer's activations, and
 #: the lanes' partial-attention merge rounds differently from SDPA.
 TOLERANCES = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
-
-
-def demo_model_config() -> ModelConfig:
-    """The demo's default model: a small fp32 Llama (hidden 128, 4 layers, 8 query / 2 KV heads
-    of 16, intermediate 344, vocab 512) that 4 CPU lanes load and run in seconds."""
-    return ModelConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=344,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        max_position_embeddings=4096,
-        dtype="float32",
-    )
 
 
 def tolerance_for(dtype: str) -> float:
@@ -96,7 +79,8 @@ class DemoConfig:
         decode_tokens: greedy decode steps per request (each one checked).
         workers: threads serving prompts at once.
         model_dir: a local Hugging Face checkpoint directory; ``None``: random weights.
-        model_config: the architecture of random weights (``None``: :func:`demo_model_config`).
+        model_config: the architecture of random weights (``None``:
+            :func:`cpkv.models.small_config`).
         seed: the weights' seed (random weights) and the prompts' seed.
         reference_seed: the seed of the reference's weights (``None``: ``seed``); a different
             one makes every check fail (the demo's own test of its checking).
@@ -271,14 +255,16 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
 def auto_pages_per_lane(cfg: DemoConfig) -> int:
     """Pages per lane (reserved page included) for ``cfg``'s workload: the largest request
     fits alone with room to spare, but the workers' requests together do not fit."""
-    ps, cp = cfg.page_size, cfg.cp_size
+    layout = PageLayout(cfg.cp_size, cfg.page_size)
     longest = cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens
     mean = cfg.prefix_len + sum(cfg.suffix_lens) / 2 + cfg.decode_tokens
-    biggest = -(-longest // ps) + 1
-    total = max(math.ceil(1.5 * biggest), math.ceil(0.75 * max(1, cfg.workers) * mean / ps))
+    biggest = layout.pages_for(longest) + 1
+    total = max(
+        math.ceil(1.5 * biggest), math.ceil(0.75 * max(1, cfg.workers) * mean / cfg.page_size)
+    )
     # NOTE: one request's pages are spread within a page of even over the lanes (zigzag
     # segments, rotation); the +2 keeps the largest request placeable on any lane.
-    return -(-total // cp) + 2
+    return layout.pages_per_lane_for(total) + 2
 
 
 class _Serve:
@@ -291,12 +277,11 @@ class _Serve:
         self.tol = tol
         self.bar = bar
         self.tally = _Tally(cfg.cp_size)
-        self.page_size = client.config.page_size
+        self.layout = PageLayout(cfg.cp_size, client.config.page_size)
 
     def _record_prefill(self, res) -> None:
         alloc = res.allocation
-        lanes = (alloc.out_cache_loc // self.page_size) % self.cfg.cp_size
-        counts = np.bincount(lanes, minlength=self.cfg.cp_size)
+        counts = self.layout.count_by_lane(alloc.out_cache_loc // self.layout.page_size)
         t = self.tally
         with t.lock:
             t.prefill_steps += 1
@@ -386,56 +371,20 @@ class _Serve:
                     t.failed.append(f"{rid}: gave up after {attempt + 1} attempts")
 
 
-def start_quiet_ray(address: str | None, num_lanes: int) -> bool:
-    """Start (or attach to) Ray quietly unless this process has it already; True when we did
-    (then the caller shuts it down).
-
-    Quiet: worker output is not forwarded to this terminal and Ray logs errors only, so no
-    lane log line or Ray warning tears through a progress bar. ``address=None`` starts a local
-    Ray on 127.0.0.1 with room for ``num_lanes`` lanes (logical GPUs when there are none).
-
-    NOTE: :func:`cpkv.connect` starts Ray with worker logs forwarded (``log_to_driver=True``);
-    a Ray initialised here first is what connect then uses.
-    """
-    import ray
-
-    from cpkv.actors.ray_env import NAMESPACE, keep_ray_on_loopback, local_gpu_count
-
-    if ray.is_initialized():
-        return False
-    quiet = {
-        "namespace": NAMESPACE,
-        "log_to_driver": False,
-        "logging_level": logging.ERROR,
-        "configure_logging": True,
-    }
-    if address is not None:
-        ray.init(address=address, **quiet)
-        return True
-    keep_ray_on_loopback()
-    ray.init(
-        address="local",  # a Ray of our own, never one found via RAY_ADDRESS or /tmp/ray
-        include_dashboard=False,
-        num_cpus=max(4, num_lanes + 2),
-        num_gpus=local_gpu_count() or num_lanes,  # logical GPUs without real ones
-        **quiet,
-    )
-    return True
-
-
 def run(cfg: DemoConfig, out: Callable[[str], object] = print) -> DemoResult:
     """Run the demo, print its report through ``out``; the :class:`DemoResult`."""
     import cpkv
+    from cpkv.actors.ray_env import ensure_ray
 
     t0 = time.monotonic()
     if cfg.model_dir is not None:
         model_config = ModelConfig.from_dir(cfg.model_dir)
         model: object = cfg.model_dir
     else:
-        model_config = cfg.model_config or demo_model_config()
+        model_config = cfg.model_config or small_config()
         model = model_config
     tol = cfg.tolerance if cfg.tolerance is not None else tolerance_for(model_config.dtype)
-    started = start_quiet_ray(cfg.address, cfg.cp_size)
+    started = ensure_ray(cfg.address, num_lanes=cfg.cp_size, quiet=True)
     try:
         pages = cfg.num_pages_per_lane or auto_pages_per_lane(cfg)
         longest = cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens

@@ -1,0 +1,345 @@
+"""A pool's actors: the coordinator, its lanes and the placement group that holds them.
+
+:meth:`Pool.open` attaches to the named coordinator, or creates the pool: one placement-group
+bundle per lane, a lane actor in each, pages sized from free memory when asked, then the
+coordinator. :meth:`Pool.stop` takes all of it down, from any process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import (
+    get_placement_group,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cpkv.actors.ray_env import NAMESPACE, ensure_ray
+from cpkv.core.config import CPConfig, KVShape
+from cpkv.errors import InvalidRequestError
+
+__all__ = ["STRATEGIES", "LaneOptions", "Pool"]
+
+STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+@dataclass(slots=True)
+class LaneOptions:
+    """How a new pool's lanes are placed and started.
+
+    Attributes:
+        num_gpus_per_lane: GPUs a lane takes (fractional packs lanes on one GPU; 0 runs lanes
+            without a GPU); ``None``: 1, or ``1 / cp_size`` packed on the one GPU of a
+            single-GPU machine.
+        num_cpus_per_lane: logical CPUs a lane reserves.
+        strategy: placement-group strategy, one of :data:`STRATEGIES`.
+        start_timeout_s: how long the lanes may take to be placed and started (their
+            processes up, torch imported, the model loaded) and the coordinator to answer.
+        detached: the actors outlive the creating driver.
+        gpu_memory_utilization: size each lane's pages from this fraction of its device's
+            memory instead of ``num_pages_per_lane`` (``None``: don't).
+        heartbeat_s: the coordinator's lane heartbeat and lease-check period.
+        timeout_s: the clients' call timeout: attaching waits this long for the coordinator,
+            which waits as long for a dead lane to come back.
+        lane_hang_s: a lane silent this long is killed and brought back.
+    """
+
+    num_gpus_per_lane: float | None = None
+    num_cpus_per_lane: float = 0.25
+    strategy: str = "STRICT_PACK"
+    start_timeout_s: float = 300.0
+    detached: bool = False
+    gpu_memory_utilization: float | None = None
+    heartbeat_s: float = 1.0
+    timeout_s: float = 60.0
+    lane_hang_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise InvalidRequestError(f"strategy={self.strategy!r}; expected one of {STRATEGIES}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]"
+            )
+
+
+@dataclass(slots=True)
+class Pool:
+    """One pool: its coordinator, lanes and (when known) placement group.
+
+    Attributes:
+        name: the coordinator's actor name (namespace ``cpkv``; ``None`` when not known).
+        coordinator: the coordinator actor handle.
+        config: the pool's shape as the coordinator runs it.
+        lanes: the lane actor handles, in rank order.
+        lane_names: their actor names.
+        group_name: the lanes' placement group (``None``: looked up by the lanes' names
+            when the pool is stopped, for a pool this process did not create).
+        created: this process created the pool (its creator stops it).
+        owns_ray: opening the pool started this process's Ray (stopped with the pool's client).
+        model: the model spec of a pool created here (a checkpoint written for it is
+            removed with it).
+    """
+
+    name: str | None
+    coordinator: object
+    config: CPConfig
+    lanes: list
+    lane_names: list[str]
+    group_name: str | None = None
+    created: bool = False
+    owns_ray: bool = False
+    model: object = None
+
+    @classmethod
+    def open(
+        cls,
+        address: str | None,
+        name: str,
+        config: CPConfig,
+        kv: KVShape,
+        options: LaneOptions,
+        model=None,
+    ) -> Pool:
+        """Attach to the coordinator ``name``, or create the pool; Ray started when needed.
+
+        Args:
+            address: as :func:`cpkv.connect`.
+            name: the coordinator's actor name.
+            config: the pool's shape (``num_pages_per_lane`` replaced by the measured one
+                when ``options.gpu_memory_utilization`` is set).
+            kv: each lane's K/V tensors.
+            options: how lanes are placed and started.
+            model: a :class:`cpkv.models.spec.ModelSpec` every lane loads, or ``None``.
+
+        Returns:
+            The pool; ``created`` tells whether this call made it. An attached pool's
+            ``config`` is the existing one (the caller compares it).
+
+        Raises:
+            InvalidRequestError: a bad strategy or resource amount, or memory for too few pages.
+            TimeoutError: the lanes could not be placed or started in time.
+        """
+        started = ensure_ray(address, num_lanes=config.cp_size)
+        # NOTE: a client that attached to a cluster leaves it connected; only an embedded
+        # Ray started here is stopped with the pool's client.
+        owns_ray = started and address is None
+        pool = cls.attach(name, options.timeout_s)
+        if pool is None:
+            pool = cls._create(name, config, kv, options, model)
+        elif model is not None:
+            model.remove()  # a checkpoint written for a pool that exists already
+        pool.owns_ray = owns_ray
+        return pool
+
+    @classmethod
+    def attach(cls, name: str, timeout_s: float = 60.0) -> Pool | None:
+        """The running pool whose coordinator is ``name``; ``None`` when there is none."""
+        try:
+            coordinator = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return None
+        return cls._of(name, coordinator, timeout_s)
+
+    @classmethod
+    def _of(cls, name: str, coordinator, timeout_s: float, group_name: str | None = None) -> Pool:
+        info = ray.get(coordinator.hello.remote(), timeout=timeout_s)  # no client: no lease
+        return cls(name, coordinator, info["config"], info["lanes"], info["lane_names"], group_name)
+
+    @classmethod
+    def _create(cls, name: str, config: CPConfig, kv: KVShape, options: LaneOptions, model) -> Pool:
+        gpus = options.num_gpus_per_lane
+        if gpus is None:
+            have = ray.cluster_resources().get("GPU", 0)
+            gpus = 1.0 if have >= config.cp_size else (have / config.cp_size if have else 0.0)
+        # NOTE: unique per creation: two drivers racing to create one pool must not collide
+        # on lane names; the loser removes its lanes below.
+        names = _Names(f"{name}-{uuid.uuid4().hex[:8]}-")
+        sized_later = options.gpu_memory_utilization is not None
+        group, lanes = _place_lanes(config, kv, names, gpus, options, model, sized_later)
+        if sized_later:
+            try:
+                config = _size_from_memory(config, lanes, gpus, options)
+            except BaseException:
+                _remove(lanes, group)
+                raise
+        opts = {"name": name, "namespace": NAMESPACE, "get_if_exists": True}
+        if options.detached:
+            opts["lifetime"] = "detached"
+        from cpkv.actors.coordinator import CoordinatorActor
+
+        vocab = model.config.vocab_size if model is not None else None
+        coordinator = CoordinatorActor.options(**opts).remote(
+            config,
+            kv,
+            names.lanes(config.cp_size),
+            options.heartbeat_s,
+            options.timeout_s,
+            options.lane_hang_s,
+            vocab,
+        )
+        # The first answer comes once the coordinator has reset its lanes.
+        pool = cls._of(name, coordinator, options.start_timeout_s, names.group)
+        if pool.lane_names != names.lanes(config.cp_size):
+            _remove(lanes, group)  # lost a creation race: another driver's coordinator won
+            if model is not None:
+                model.remove()
+            pool.group_name = None  # the winner's: found when stopped
+            return pool
+        # NOTE: keep the creator's own handles: lanes not detached die with their last one.
+        pool.lanes, pool.created, pool.model = lanes, True, model
+        return pool
+
+    def stop(self) -> None:
+        """Stop the coordinator, its lanes and their placement group (for every client)."""
+        with contextlib.suppress(Exception):  # already gone
+            ray.get(self.coordinator.shutdown.remote(), timeout=5)
+        ray.kill(self.coordinator, no_restart=True)
+        for lane in self.lanes:
+            with contextlib.suppress(Exception):
+                ray.kill(lane, no_restart=True)
+        group = self.group_name or _find_group(self.lane_names)
+        if group is not None:
+            with contextlib.suppress(Exception):  # no such group (another stopped it)
+                remove_placement_group(get_placement_group(group))
+        if self.model is not None:
+            self.model.remove()
+            self.model = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Names:
+    """One creation's actor names: lanes ``{prefix}lane{r}``, placement group
+    ``{prefix}lanes`` (namespace ``cpkv``); the coordinator finds its lanes by name."""
+
+    prefix: str
+
+    @property
+    def group(self) -> str:
+        return f"{self.prefix}lanes"
+
+    def lanes(self, cp_size: int) -> list[str]:
+        return [f"{self.prefix}lane{r}" for r in range(cp_size)]
+
+
+def _find_group(lane_names: list[str]) -> str | None:
+    """The live placement group named with the lanes ``lane_names`` (one :class:`_Names`)."""
+    for info in placement_group_table().values():
+        group = info.get("name") or ""
+        if info.get("state") == "REMOVED" or not group.endswith("lanes"):
+            continue
+        names = _Names(group.removesuffix("lanes"))
+        if names.lanes(len(lane_names)) == list(lane_names):
+            return names.group
+    return None
+
+
+def _place_lanes(
+    config: CPConfig,
+    kv: KVShape,
+    names: _Names,
+    num_gpus_per_lane: float,
+    options: LaneOptions,
+    model,
+    sized_later: bool,
+) -> tuple[object, list]:
+    """Reserve one bundle per lane and start a lane actor in each; wait until all started.
+
+    Raises:
+        InvalidRequestError: a bad resource amount.
+        TimeoutError: the cluster cannot fit the bundles, or the lanes did not start, in time.
+        ray.exceptions.RayActorError: a lane failed to start (its constructor raised).
+    """
+    from cpkv.actors.lane import LaneActor
+
+    cpus, timeout_s = options.num_cpus_per_lane, options.start_timeout_s
+    if num_gpus_per_lane < 0 or cpus < 0:
+        raise InvalidRequestError(
+            f"num_gpus_per_lane={num_gpus_per_lane}, num_cpus_per_lane={cpus} must be >= 0"
+        )
+    if num_gpus_per_lane > 1 and num_gpus_per_lane != int(num_gpus_per_lane):
+        raise InvalidRequestError(
+            f"num_gpus_per_lane={num_gpus_per_lane}: above 1 it must be whole"
+        )
+    bundle = {"CPU": cpus, "GPU": num_gpus_per_lane}
+    bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.01}
+    pg = placement_group(
+        [dict(bundle) for _ in range(config.cp_size)],
+        strategy=options.strategy,
+        name=names.group,
+        lifetime="detached" if options.detached else None,
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise TimeoutError(
+            f"placement group of {config.cp_size} x {bundle} ({options.strategy}) not ready "
+            f"after {timeout_s}s; cluster resources: {ray.cluster_resources()}"
+        ) from None
+    lanes = []
+    num_pages = None if sized_later else config.num_pages_per_lane
+    for r, lane_name in enumerate(names.lanes(config.cp_size)):
+        opts = dict(
+            num_cpus=cpus,
+            num_gpus=num_gpus_per_lane,
+            name=lane_name,
+            namespace=NAMESPACE,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=r
+            ),
+        )
+        if options.detached:
+            opts["lifetime"] = "detached"
+        lanes.append(
+            LaneActor.options(**opts).remote(
+                r, config.cp_size, num_pages, config.page_size, kv, model
+            )
+        )
+    # NOTE: wait here, not in the coordinator: a cold lane (a new process importing torch,
+    # loading weights) can take tens of seconds on a busy machine, longer than a request's
+    # timeout, and a lane that cannot start says why here instead of as a dead lane later.
+    try:
+        ray.get(
+            [lane.info.remote() for lane in lanes],
+            timeout=max(0.1, deadline - time.monotonic()),
+        )
+    except ray.exceptions.GetTimeoutError:
+        _remove(lanes, pg)
+        raise TimeoutError(f"{config.cp_size} lanes not started after {timeout_s}s") from None
+    except Exception:
+        _remove(lanes, pg)
+        raise
+    return pg, lanes
+
+
+def _size_from_memory(
+    config: CPConfig, lanes: list, num_gpus_per_lane: float, options: LaneOptions
+) -> CPConfig:
+    """``config`` with the pages the smallest lane's free memory holds."""
+    share = min(1.0, num_gpus_per_lane) if num_gpus_per_lane else 1.0 / config.cp_size
+    caps = ray.get(
+        [lane.kv_capacity.remote(options.gpu_memory_utilization, share) for lane in lanes],
+        timeout=options.start_timeout_s,
+    )
+    if min(caps) < 2:
+        raise InvalidRequestError(
+            f"gpu_memory_utilization={options.gpu_memory_utilization} leaves room for "
+            f"{min(caps)} pages on the smallest lane (per lane: {caps})"
+        )
+    return dataclasses.replace(config, num_pages_per_lane=min(caps))
+
+
+def _remove(lanes: list, group) -> None:
+    for lane in lanes:
+        ray.kill(lane, no_restart=True)
+    remove_placement_group(group)
