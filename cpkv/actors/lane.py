@@ -14,7 +14,7 @@ import numpy as np
 import ray
 
 from cpkv.core.config import KVShape
-from cpkv.core.steps import StepInput
+from cpkv.core.steps import StepRequest, StepResult
 from cpkv.lanes.shard import LaneShard
 from cpkv.lanes.worker import LaneWorker
 
@@ -116,7 +116,7 @@ class LaneActor:
         return self._worker.init_group(group_id, host, port, backend, timeout_s)
 
     @ray.method(num_returns=2)
-    def step(self, step: StepInput) -> tuple[dict, dict]:
+    def step(self, step: StepRequest) -> tuple[dict, StepResult]:
         """``(status, result)``: the coordinator reads the small status (did the step write
         its K/V?), the client the result. A step that fails raises through both."""
         out = self._worker.step(self._shard, step)
