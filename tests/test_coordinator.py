@@ -187,8 +187,9 @@ def test_calls_from_another_epoch_are_refused():
 
 
 def test_the_coordinator_process_never_imports_torch():
-    """The coordinator picks the lanes' backend, builds their group and sends a step
-    without torch (lanes that answer from plain values, in a fresh interpreter)."""
+    """The coordinator (and its actor's module) picks the lanes' backend, builds their group
+    and sends a step without torch (lanes that answer from plain values, in a fresh
+    interpreter)."""
     code = textwrap.dedent(
         """
         import sys
@@ -196,6 +197,7 @@ def test_the_coordinator_process_never_imports_torch():
 
         import numpy as np
 
+        import cpkv.actors.coordinator  # the coordinator actor's process imports its shell
         from cpkv import CPConfig, KVShape
         from cpkv.coordinator import Coordinator
 
