@@ -87,7 +87,7 @@ class LaneSupervisor:
         self._num_pages = num_pages
         self._hang_s = hang_s
         self._kill = kill
-        self.restart_timeout_s = restart_timeout_s
+        self._restart_timeout_s = restart_timeout_s
         self._lock = threading.Lock()
         self._lanes = [_Lane() for _ in range(channel.cp_size)]
         # The allocator's record of the lanes that take pages (given by restart_all).
@@ -110,9 +110,6 @@ class LaneSupervisor:
         """Each lane's state, in lane order."""
         with self._lock:
             return [row.state for row in self._lanes]
-
-    def lanes_in(self, state: str) -> list[int]:
-        return [r for r, s in enumerate(self.states()) if s == state]
 
     # ---------------------------------------------------------------- recovery
     def restart_all(self, availability: LaneAvailability) -> None:
@@ -185,7 +182,7 @@ class LaneSupervisor:
     def _restart(self, lane: int, gen: str) -> None:
         """Reset ``lane`` into generation ``gen``, retrying while Ray restarts it (its own
         thread; no coordinator lock)."""
-        deadline = time.monotonic() + self.restart_timeout_s
+        deadline = time.monotonic() + self._restart_timeout_s
         deaths = 0
         while True:
             left = deadline - time.monotonic()
