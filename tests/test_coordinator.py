@@ -234,3 +234,18 @@ def test_the_coordinator_process_never_imports_torch():
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_a_lane_found_lost_is_failed_at_the_coordinators_next_call():
+    """The supervisor only records a lane it finds restarted (it never calls into the
+    coordinator); the coordinator fails the lane's requests at its next call."""
+    coord, transport = make()
+    call(coord, "allocate_extend", "a", np.arange(40))  # pages on every lane
+    transport.restart(1)
+    assert not coord._supervisor.probe(1, 5)
+    assert coord._core.has_request(coord._key("c", "a")) and coord.lane_states()[1] == "up"
+    assert coord.stats()["lane_losses"] == [[1, 1]]  # stats() is a call: it settles
+    assert not coord._core.has_request(coord._key("c", "a"))
+    assert coord.wait_recovered(5)
+    report = coord.check()
+    assert report["ok"], report
