@@ -28,6 +28,7 @@ from cpkv.actors.pool import LaneOptions, Pool
 from cpkv.core.allocator import ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
 from cpkv.core.layout import PageLayout
+from cpkv.core.steps import StepResult
 from cpkv.core.validate import (
     as_token_array,
     check_float,
@@ -783,7 +784,7 @@ class CPKVClient:
             return _assemble_probe(results, len(rids))
         rows = {}
         for res in results:
-            rows.update(res["logits"])
+            rows.update(res.logits)
         return np.stack([rows[i] for i in range(len(rids))])
 
     def generate(
@@ -825,14 +826,14 @@ class CPKVClient:
         allocs = out["allocations"]
         logits: dict[int, np.ndarray] = {}
         for res in results:
-            logits.update(res["logits"])
-        lane_s = [float(res["compute_s"]) for res in results]
-        wait_s = [float(res["wait_s"]) for res in results]
-        attn_s = [float(res["attention_s"]) for res in results]
-        xbytes = [int(res.get("exchange_bytes", 0)) for res in results]
-        mode = results[0]["mode"]
+            logits.update(res.logits)
+        lane_s = [res.compute_s for res in results]
+        wait_s = [res.wait_s for res in results]
+        attn_s = [res.attention_s for res in results]
+        xbytes = [res.exchange_bytes for res in results]
+        mode = results[0].mode
         probe = None
-        if any("out" in res for res in results):
+        if any(res.out is not None for res in results):
             probe = _assemble_probe(results, sum(a.extend_len for a in allocs))
         made, start = [], 0
         for b, alloc in enumerate(allocs):
@@ -845,7 +846,7 @@ class CPKVClient:
 
     def _wait_step(
         self, handles: list, what: str, rids: list, call_id: Hashable = None
-    ) -> list[dict]:
+    ) -> list[StepResult]:
         """Every lane's step result, in lane order. A dead lane is reported at once; a lane
         whose step failed made the others fail it too (it left the lane group).
 
@@ -1137,12 +1138,12 @@ def _later_fence(old: list, new: list) -> list:
     return out
 
 
-def _assemble_probe(results: list[dict], num_tokens: int) -> np.ndarray:
+def _assemble_probe(results: list[StepResult], num_tokens: int) -> np.ndarray:
     """Probe outputs of every lane's own tokens, back in step-token order."""
-    first = next(res["out"] for res in results if "out" in res)
+    first = next(res.out for res in results if res.out is not None)
     out = np.zeros((num_tokens, *first.shape[1:]), dtype=np.float32)
     for res in results:
-        out[np.asarray(res["tokens"], dtype=np.int64)] = res["out"].numpy()
+        out[res.tokens] = res.out.numpy()
     return out
 
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,3 +184,68 @@ def test_calls_from_another_epoch_are_refused():
     out = coord.allocate_extend("old-epoch", "c", None, "r", np.arange(4))
     assert type(out).__name__ == "CoordinatorUnavailableError"
     assert coord.stats()["num_requests"] == 0
+
+
+def test_the_coordinator_process_never_imports_torch():
+    """The coordinator (and its actor's module) picks the lanes' backend, builds their group
+    and sends a step without torch (lanes that answer from plain values, in a fresh
+    interpreter)."""
+    code = textwrap.dedent(
+        """
+        import sys
+        from concurrent.futures import Future
+
+        import numpy as np
+
+        import cpkv.actors.coordinator  # the coordinator actor's process imports its shell
+        from cpkv import CPConfig, KVShape
+        from cpkv.coordinator import Coordinator
+
+        ANSWERS = {
+            "reset": "incarnation",
+            "info": {"device": "cpu"},
+            "rendezvous_address": ("127.0.0.1", 1),
+            "init_group": None,
+            "apply": 0,
+        }
+
+        class PlainLanes:
+            def submit(self, lane, method, *args):
+                done = Future()
+                if method == "step":
+                    done.set_result({"step_id": args[0].step_id})
+                    return done, done
+                done.set_result(ANSWERS[method])
+                return done
+
+            def result(self, handle, timeout):
+                return handle.result(timeout)
+
+            def done(self, handles):
+                return [h.done() for h in handles]
+
+        kv = KVShape(1, 2, 8, "float32")
+        coord = Coordinator(CPConfig(2, 4, 8), kv, PlainLanes(), heartbeat_s=0)
+        out = coord.prefill(coord.epoch, None, None, "r", np.arange(6), probe=())
+        assert isinstance(out, dict) and len(out["lanes"]) == 2, out
+        assert "torch" not in sys.modules
+        """
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_a_lane_found_lost_is_failed_at_the_coordinators_next_call():
+    """The supervisor only records a lane it finds restarted (it never calls into the
+    coordinator); the coordinator fails the lane's requests at its next call."""
+    coord, transport = make()
+    call(coord, "allocate_extend", "a", np.arange(40))  # pages on every lane
+    transport.restart(1)
+    assert not coord._supervisor.probe(1, 5)
+    assert coord._core.has_request(coord._key("c", "a")) and coord.lane_states()[1] == "up"
+    assert coord.stats()["lane_losses"] == [[1, 1]]  # stats() is a call: it settles
+    assert not coord._core.has_request(coord._key("c", "a"))
+    assert coord.wait_recovered(5)
+    report = coord.check()
+    assert report["ok"], report

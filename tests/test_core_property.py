@@ -2114,7 +2114,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 assert not want and s["free"][r] == npl - 1
                 continue
             shard = self.transport.shards[r]
-            assert shard.generation == channel.generations[r]
+            assert shard.generation == channel.generation(r)
             assert shard.last_seq == channel._next_seq[r] - 1
             held = set(np.flatnonzero(shard._held).tolist())
             assert held == want, (r, sorted(held), sorted(want))
@@ -2226,20 +2226,20 @@ def test_salted_requests_share_pages_only_with_their_salt() -> None:
 def test_report_of_a_restarted_lane_loses_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A client reports a lane whose actor restarted: one loss, one recovery.
 
-    ``LaneHealth.probe`` fails the lane it finds restarted; ``report_lane_failure`` used
+    ``LaneSupervisor.probe`` fails the lane it finds restarted; ``report_lane_failure`` used
     to call ``fail`` again, which lost the lane a second time (with whatever was allocated
     on it meanwhile) when the recovery had brought it back in between (made certain here).
     """
-    from cpkv.coordinator.health import LaneHealth
+    from cpkv.coordinator.supervisor import LaneSupervisor
 
-    probe = LaneHealth.probe
+    probe = LaneSupervisor.probe
 
-    def probe_then_recover(self: LaneHealth, lane: int, timeout: float) -> bool:
+    def probe_then_recover(self: LaneSupervisor, lane: int, timeout: float) -> bool:
         ok = probe(self, lane, timeout)
         self.wait_recovered(5)  # the recovery wins the race
         return ok
 
-    monkeypatch.setattr(LaneHealth, "probe", probe_then_recover)
+    monkeypatch.setattr(LaneSupervisor, "probe", probe_then_recover)
     transport = LocalLaneTransport(1, 4, 1, _KV)
     coord = Coordinator(CPConfig(1, 1, 4), _KV, transport, heartbeat_s=0)
     try:

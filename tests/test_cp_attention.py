@@ -31,10 +31,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from cpkv.core.owners import build_owner_plan
+from cpkv.core.steps import StepSequence
 from cpkv.lanes.attention import MODES, CPAttention, exchange_costs, lane_exchange_bytes
 from cpkv.lanes.comm import LaneGroup, choose_backend, free_port
 from cpkv.lanes.ipc_device import FakeIpcDevice
-from cpkv.lanes.step import StepPlan, StepRequest
+from cpkv.lanes.step import StepPlan
 
 HQ, HKV, D = 4, 2, 8
 SCALE = D**-0.5
@@ -61,9 +62,9 @@ class Case:
     seed: int
     dtype: str = "float32"
 
-    def requests(self) -> list[StepRequest]:
+    def requests(self) -> list[StepSequence]:
         return [
-            StepRequest(p, e, np.array(pg, dtype=np.int32))
+            StepSequence(p, e, np.array(pg, dtype=np.int32))
             for (p, e), pg in zip(self.lens, self.pages, strict=True)
         ]
 
@@ -442,7 +443,7 @@ def test_step_plan_matches_a_direct_walk() -> None:
     cp, ps = 3, 4
     lens = [(0, 9), (6, 7), (4, 1), (13, 2)]
     pages, _ = assign_pages(cp, ps, lens, rng)
-    reqs = [StepRequest(p, e, np.array(pg)) for (p, e), pg in zip(lens, pages, strict=True)]
+    reqs = [StepSequence(p, e, np.array(pg)) for (p, e), pg in zip(lens, pages, strict=True)]
     plans = [StepPlan.build(reqs, cp, ps, lane) for lane in range(cp)]
     tokens = [(b, p) for b, (pre, e) in enumerate(lens) for p in range(pre, pre + e)]
     for lane, plan in enumerate(plans):
@@ -489,24 +490,24 @@ def test_step_plan_matches_a_direct_walk() -> None:
 )
 def test_step_request_rejects(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        StepRequest(**kwargs)
+        StepSequence(**kwargs)
 
 
 @pytest.mark.parametrize(
     ("reqs", "cp", "ps", "lane", "match"),
     [
-        ([StepRequest(0, 5, np.array([4]))], 2, 4, 0, "needs 2 pages"),
-        ([StepRequest(0, 3, np.array([1]))], 2, 4, 0, r"page ids \[1\].*reserved"),
+        ([StepSequence(0, 5, np.array([4]))], 2, 4, 0, "needs 2 pages"),
+        ([StepSequence(0, 3, np.array([1]))], 2, 4, 0, r"page ids \[1\].*reserved"),
         (
-            [StepRequest(0, 3, np.array([4])), StepRequest(0, 3, np.array([4]))],
+            [StepSequence(0, 3, np.array([4])), StepSequence(0, 3, np.array([4]))],
             2,
             4,
             0,
             r"page ids \[4\] appear more than once",
         ),
-        ([StepRequest(0, 3, np.array([4]))], 2, 4, 2, "lane=2"),
+        ([StepSequence(0, 3, np.array([4]))], 2, 4, 2, "lane=2"),
         ([], 2, 4, 0, "at least one request"),
-        ([StepRequest(0, 3, np.array([4]))], 0, 4, 0, "cp_size=0"),
+        ([StepSequence(0, 3, np.array([4]))], 0, 4, 0, "cp_size=0"),
     ],
 )
 def test_step_plan_rejects(reqs: list, cp: int, ps: int, lane: int, match: str) -> None:
@@ -515,15 +516,15 @@ def test_step_plan_rejects(reqs: list, cp: int, ps: int, lane: int, match: str) 
 
 
 def test_exchange_costs_follow_the_model() -> None:
-    fresh = StepPlan.build([StepRequest(0, 8, np.array([2, 3]))], 2, 4, 0)
+    fresh = StepPlan.build([StepSequence(0, 8, np.array([2, 3]))], 2, 4, 0)
     costs = exchange_costs(fresh, HQ, HKV, D, 4, 4, latency_s=1e-4, bytes_per_s=1e9)
     rows = 4  # busiest lane's tokens; (cp - 1) * rows rows arrive from the other lane
     assert costs["pass_q"] == pytest.approx(2e-4 + rows * (HQ * D * 4 + HQ * (D + 1) * 4) / 1e9)
     assert costs["pass_kv"] == pytest.approx(1e-4 + rows * 2 * HKV * D * 4 / 1e9)
-    decode = StepPlan.build([StepRequest(9, 1, np.array([2, 3, 4]))], 2, 4, 0)
+    decode = StepPlan.build([StepSequence(9, 1, np.array([2, 3, 4]))], 2, 4, 0)
     costs = exchange_costs(decode, HQ, HKV, D, 4, 4, latency_s=1e-4, bytes_per_s=1e9)
     assert costs["pass_kv"] > costs["pass_q"]
-    one = StepPlan.build([StepRequest(0, 8, np.array([1, 2]))], 1, 4, 0)
+    one = StepPlan.build([StepSequence(0, 8, np.array([1, 2]))], 1, 4, 0)
     assert exchange_costs(one, HQ, HKV, D, 4, 4, 1e-4, 1e9) == {"pass_q": 0.0, "pass_kv": 0.0}
 
 
@@ -542,10 +543,10 @@ def test_choose_backend() -> None:
 
 def test_cp_attention_rejects_mismatches() -> None:
     group = LaneGroup.create(0, 1)
-    plan = StepPlan.build([StepRequest(0, 3, np.array([2]))], 1, 4, 0)
+    plan = StepPlan.build([StepSequence(0, 3, np.array([2]))], 1, 4, 0)
     with pytest.raises(ValueError, match="mode="):
         CPAttention(group, plan, "ring")
-    other = StepPlan.build([StepRequest(0, 3, np.array([2]))], 2, 4, 0)
+    other = StepPlan.build([StepSequence(0, 3, np.array([2]))], 2, 4, 0)
     with pytest.raises(ValueError, match="does not match group"):
         CPAttention(group, other)
     attn = CPAttention(group, plan, "pass_q")

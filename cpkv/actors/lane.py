@@ -4,19 +4,24 @@ A thin shell: the shard (:class:`cpkv.lanes.LaneShard`: KV memory and page
 record) and the worker (:class:`cpkv.lanes.worker.LaneWorker`: weights, lane
 group, step loop) hold the logic. A restart brings an empty shard and a worker
 without a group; the coordinator resets the shard and rebuilds the group.
+
+NOTE: torch (and the lanes' modules, which import it) is imported in the actor's methods
+only: the coordinator's process imports this package and must stay without torch.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
 
 from cpkv.core.config import KVShape
-from cpkv.core.steps import StepInput
-from cpkv.lanes.shard import LaneShard
-from cpkv.lanes.worker import LaneWorker
+from cpkv.core.steps import StepRequest, StepResult
+
+if TYPE_CHECKING:
+    from cpkv.lanes.shard import LaneShard
 
 __all__ = ["LaneActor"]
 
@@ -52,13 +57,17 @@ class LaneActor:
     ) -> None:
         import torch
 
+        from cpkv.lanes.worker import LaneWorker
+
         if device is None:
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs; logical GPUs on a
             # machine without CUDA leave torch on the CPU.
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self._lane, self._page_size, self._kv = lane, page_size, kv
         self._device = torch.device(device)
-        self._shard = LaneShard(lane, num_pages, page_size, kv, self._device) if num_pages else None
+        self._shard: LaneShard | None = None
+        if num_pages:
+            self._shard = self._new_shard(num_pages)
         loaded = model.load(self._device) if model is not None else None
         self._worker = LaneWorker(lane, cp_size, self._device, loaded)
 
@@ -78,8 +87,13 @@ class LaneActor:
         """Empty the shard (allocating it at ``num_pages`` first if it has another size)."""
         if num_pages is not None and (self._shard is None or self._shard.num_pages != num_pages):
             self._shard = None  # free the old tensors before taking new ones
-            self._shard = LaneShard(self._lane, num_pages, self._page_size, self._kv, self._device)
+            self._shard = self._new_shard(num_pages)
         return self._shard.reset(generation)
+
+    def _new_shard(self, num_pages: int) -> LaneShard:
+        from cpkv.lanes.shard import LaneShard
+
+        return LaneShard(self._lane, num_pages, self._page_size, self._kv, self._device)
 
     def heartbeat(self) -> tuple[str, int]:
         """``(incarnation, pages held)``; ordered after every earlier coordinator call."""
@@ -116,7 +130,7 @@ class LaneActor:
         return self._worker.init_group(group_id, host, port, backend, timeout_s)
 
     @ray.method(num_returns=2)
-    def step(self, step: StepInput) -> tuple[dict, dict]:
+    def step(self, step: StepRequest) -> tuple[dict, StepResult]:
         """``(status, result)``: the coordinator reads the small status (did the step write
         its K/V?), the client the result. A step that fails raises through both."""
         out = self._worker.step(self._shard, step)

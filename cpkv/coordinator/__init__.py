@@ -1,6 +1,7 @@
 """The coordinator as plain Python: the allocator's owner behind calls, leases and a reply
-cache, the lanes' moves and their health. The Ray actor (cpkv.actors.coordinator) only
-wraps it."""
+cache (coordinator), its ordered line to the lanes (channel), the lanes' table, group and
+recovery (supervisor), the lanes' collective backend (backend). The Ray actor
+(cpkv.actors.coordinator) only wraps it."""
 
 from cpkv.coordinator.coordinator import Coordinator
 

@@ -60,7 +60,7 @@ class LaneChannel:
         self.cp_size = cp_size
         self._epoch = epoch
         self._gen_numbers = itertools.count(1)
-        self.generations: list[str | None] = [None] * cp_size
+        self._generations: list[str | None] = [None] * cp_size
         self._next_seq = [1] * cp_size
         # (lane, generation, seq, handle future) of moves not yet seen answered.
         self._pending: deque[tuple[int, str, int, Future]] = deque()
@@ -81,11 +81,15 @@ class LaneChannel:
         self.num_moves_by_op.clear()
 
     # ------------------------------------------------------------- submitting
+    def generation(self, lane: int) -> str | None:
+        """``lane``'s current generation (``None`` before its first reset)."""
+        return self._generations[lane]
+
     def new_generation(self, lane: int) -> str:
         """Start a new generation of ``lane`` (it is being reset): moves count from 1 again,
         and moves of the old generation no longer matter."""
         gen = f"{self._epoch}:{next(self._gen_numbers)}"
-        self.generations[lane] = gen
+        self._generations[lane] = gen
         self._next_seq[lane] = 1
         with self._pending_lock:
             self._pending = deque(p for p in self._pending if p[0] != lane)
@@ -108,7 +112,7 @@ class LaneChannel:
         NOTE: callers queue moves in decision order (under the coordinator's lock);
         the sender keeps that order.
         """
-        gen = self.generations[lane]
+        gen = self._generations[lane]
         assert gen is not None, f"lane {lane} has no generation yet"
         seq = self._next_seq[lane]
         self._next_seq[lane] = seq + 1
@@ -126,7 +130,7 @@ class LaneChannel:
     def fence(self) -> list[tuple[str | None, int]]:
         """Per lane ``(generation, sequence number of the last move queued)``: a lane that has
         applied its move has every page decided so far (clients wait for it before a write)."""
-        return [(g, n - 1) for g, n in zip(self.generations, self._next_seq, strict=True)]
+        return [(g, n - 1) for g, n in zip(self._generations, self._next_seq, strict=True)]
 
     def submit(self, lane: int, method: str, *args: Any) -> Future:
         """Queue any lane call behind those already queued; a future of its handle."""
@@ -167,7 +171,7 @@ class LaneChannel:
                 self._transport.result(handle, 0.0)
             except Exception as e:  # any failure: the lane diverged from the mirror
                 errors.append((p, e))
-        failures = [(p[0], e) for p, e in errors if p[1] == self.generations[p[0]]]
+        failures = [(p[0], e) for p, e in errors if p[1] == self._generations[p[0]]]
         ids = {id(p) for p in finished}
         with self._pending_lock:
             self._pending = deque(p for p in self._pending if id(p) not in ids)

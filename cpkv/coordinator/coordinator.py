@@ -4,8 +4,12 @@ This is the plain class behind :class:`cpkv.actors.CoordinatorActor` (which only
 delegates to it), so tests drive it without Ray through a transport of plain
 lane objects. It answers every call from its exact mirror of the lanes (the
 core) and queues each touched lane's page moves on the :class:`LaneChannel`
-without waiting; :class:`LaneHealth` watches the lanes and brings lost ones back
-off the lock; a :class:`LeaseTable` frees the requests of clients that went silent.
+without waiting; the :class:`LaneSupervisor` keeps the lanes' table and group and
+brings lost lanes back off the lock (the coordinator asks it, and takes the lanes
+it found lost at its next call); a :class:`LeaseTable` frees the requests of
+clients that went silent. Prefill, batched prefill and decode are one pipeline
+(:meth:`Coordinator._run_step`): decide, queue the page moves, send one
+:class:`StepRequest` to every lane.
 
 Answers are values or :class:`cpkv.CPKVError` instances (returned, not raised, so
 they cross Ray as themselves and can be remembered for a retried call).
@@ -20,7 +24,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +32,12 @@ from typing import Any
 import numpy as np
 
 from cpkv.coordinator.channel import LaneChannel, LaneTransport
-from cpkv.coordinator.health import RESTARTING, LaneHealth
+from cpkv.coordinator.supervisor import DEAD, RESTARTING, UP, LaneSupervisor
 from cpkv.core.allocator import CPAllocator, ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
 from cpkv.core.leases import LeaseTable
 from cpkv.core.reply_cache import DROPPED, ReplyCache
-from cpkv.core.steps import MODES, StepInput, StepSequence
+from cpkv.core.steps import StepRequest, StepSequence, check_mode
 from cpkv.core.validate import (
     RequestKey,
     as_token_array,
@@ -46,7 +50,6 @@ from cpkv.errors import (
     CoordinatorUnavailableError,
     CPKVError,
     InvalidRequestError,
-    KVCapacityWaitError,
     LaneUnavailableError,
     LeaseExpiredError,
     StepFailedError,
@@ -127,11 +130,9 @@ class Coordinator:
         self._liveness = liveness
         self._lock = threading.RLock()
         self._channel = LaneChannel(transport, config.cp_size, self.epoch)
-        self._health = LaneHealth(
+        self._supervisor = LaneSupervisor(
             self._channel,
-            self._lock,
-            on_lost=self._on_lane_lost,
-            on_back=self._on_lane_back,
+            self.epoch,
             restart_timeout_s=lane_restart_timeout_s,
             num_pages=config.num_pages_per_lane,
             hang_s=lane_hang_s,
@@ -142,12 +143,7 @@ class Coordinator:
         self._namespaces: dict[str, str] = {}
         self._namespace_ids: dict[str, int] = {}
         self._transport = transport
-        # The lanes' collective group: built before the first step, rebuilt after a lane
-        # is lost or comes back (None: stale). Steps are numbered in submission order.
-        self._group_lock = threading.Lock()
-        self._group_id: str | None = None
-        self._group_count = 0
-        self._backend: str | None = None
+        # Steps are numbered in submission order.
         self._step_count = 0
         self._stop = threading.Event()
         self.reset()
@@ -202,14 +198,15 @@ class Coordinator:
             self._tracks: dict[Hashable, _Track] = {}
             self._failed: dict[Hashable, tuple[str, int]] = {}
             self._inflight: dict[int, _InflightStep] = {}
+            # (lane, requests lost with it) of every lane lost since the reset.
+            self._losses: list[tuple[int, list[Hashable]]] = []
             self.num_failed_steps = 0
             self._leases.forget_requests()
-            self._health.losses.clear()
-            self._health.mismatches = 0
             self._channel.reset_counters()
-            for lane in range(self.config.cp_size):
-                self._core.set_lane_available(lane, False)
-        self._health.reset_all()
+            self._supervisor.restart_all(self._core.availability)
+        self._supervisor.wait_recovered(None)
+        with self._lock:
+            self._settle_lanes()  # the lanes that came back take pages
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -219,13 +216,10 @@ class Coordinator:
     def allocate_extend(
         self, epoch: str, client_id: str | None, call_id: Hashable, rid, tokens, cache_salt=None
     ) -> Any:
+        """A batch of one: :meth:`allocate_extend_batch` answering its one allocation."""
+
         def run():
-            key = self._key(client_id, rid)
-            self._check_not_failed(key)
-            alloc = self._core.allocate_extend(key, tokens, cache_salt=cache_salt)
-            self._leases.hold(client_id, alloc.rid)
-            self._client_writes(alloc.rid)
-            return alloc
+            return self._extend(client_id, [(rid, tokens)], cache_salt)[0][0]
 
         digest = _digest("extend", rid, tokens, cache_salt)
         return self._call(epoch, client_id, call_id, "extend", run, digest)
@@ -234,12 +228,7 @@ class Coordinator:
         self, epoch: str, client_id: str | None, call_id: Hashable, items, cache_salt=None
     ) -> Any:
         def run():
-            keyed = self._keyed_items(client_id, items)
-            allocs = self._core.allocate_extend_batch(keyed, cache_salt=cache_salt)
-            for a in allocs:
-                self._leases.hold(client_id, a.rid)
-                self._client_writes(a.rid)
-            return allocs
+            return self._extend(client_id, items, cache_salt)[0]
 
         digest = _digest("batch", _items_digest(items), cache_salt)
         return self._call(epoch, client_id, call_id, "batch", run, digest)
@@ -248,13 +237,7 @@ class Coordinator:
         self, epoch: str, client_id: str | None, call_id: Hashable, rids, token_ids=None
     ) -> Any:
         def run():
-            keys = self._keys(client_id, rids)
-            for key in keys:
-                self._check_not_failed(key)
-            slots = self._core.allocate_decode(keys, token_ids)
-            for key in keys:
-                self._client_writes(key)
-            return slots
+            return self._decode(client_id, rids, token_ids)[0]
 
         digest = _digest("decode", _rids_digest(rids), token_ids)
         return self._call(epoch, client_id, call_id, "decode", run, digest)
@@ -303,24 +286,17 @@ class Coordinator:
         mode: str = "auto",
         probe=None,
     ) -> Any:
-        """Allocate one request's prefill step and run it on the lanes.
+        """Allocate one request's prefill step and run it on the lanes (a batch of one).
 
         Returns:
             ``{"allocations": [ExtendAllocation], "lanes": [handle per lane]}``: each lane's
-            step result (see :meth:`cpkv.lanes.worker.LaneWorker.step`) behind its handle;
-            or the error (nothing is run then).
+            :class:`cpkv.core.steps.StepResult` behind its handle; or the error (nothing is
+            run then).
         """
-
-        def run():
-            key = self._key(client_id, rid)
-            self._check_step_tokens(rid, tokens, probe)
-            self._check_not_failed(key)
-            alloc = self._core.allocate_extend(key, tokens, cache_salt=cache_salt)
-            self._leases.hold(client_id, alloc.rid)
-            return [alloc], [tokens]
-
         digest = _digest("prefill", rid, tokens, cache_salt, mode, probe is not None)
-        return self._step_call(epoch, client_id, call_id, "prefill", run, mode, probe, digest)
+        return self._run_step(
+            epoch, client_id, call_id, "prefill", digest, mode, probe, [(rid, tokens)], cache_salt
+        )
 
     def prefill_batch(
         self,
@@ -333,19 +309,10 @@ class Coordinator:
         probe=None,
     ) -> Any:
         """:meth:`prefill` of several requests in one step (each with its own owner plan)."""
-
-        def run():
-            keyed = self._keyed_items(client_id, items)
-            for (rid, tokens), (key, _) in zip(items, keyed, strict=True):
-                self._check_step_tokens(rid, tokens, probe)
-                self._check_not_failed(key)
-            allocs = self._core.allocate_extend_batch(keyed, cache_salt=cache_salt)
-            for a in allocs:
-                self._leases.hold(client_id, a.rid)
-            return allocs, [t for _, t in items]
-
         digest = _digest("prefill_batch", _items_digest(items), cache_salt, mode)
-        return self._step_call(epoch, client_id, call_id, "prefill", run, mode, probe, digest)
+        return self._run_step(
+            epoch, client_id, call_id, "prefill", digest, mode, probe, items, cache_salt
+        )
 
     def decode(
         self,
@@ -362,29 +329,37 @@ class Coordinator:
         Returns:
             ``{"slots": int64 [len(rids)], "lanes": [handle per lane]}``, or the error.
         """
-
-        def run():
-            keys = self._keys(client_id, rids)
-            self._check_step_tokens(rids, token_ids, probe)
-            for key in keys:
-                self._check_not_failed(key)
-            slots = self._core.allocate_decode(keys, token_ids)
-            return slots, keys
-
         digest = _digest("decode_step", _rids_digest(rids), token_ids, mode)
-        return self._step_call(
-            epoch, client_id, call_id, "decode", run, mode, probe, digest, decode=token_ids
+        return self._run_step(
+            epoch, client_id, call_id, "decode", digest, mode, probe, rids, token_ids=token_ids
         )
 
-    def _step_call(
-        self, epoch, client_id, call_id, op, run, mode, probe, digest, decode=None
+    def _run_step(
+        self,
+        epoch: str,
+        client_id: str | None,
+        call_id: Hashable,
+        op: str,
+        digest: int,
+        mode: str,
+        probe,
+        requests,
+        cache_salt=None,
+        token_ids=None,
     ) -> Any:
-        """:meth:`_call` whose decision is followed by a step on every lane; the answer holds
-        each lane's handle to its step result."""
+        """:meth:`_call` whose decision is followed by one step on every lane; the answer
+        holds each lane's handle to its step result.
+
+        Args:
+            op: ``prefill`` (``requests``: ``(rid, tokens)`` items, ``cache_salt``) or
+                ``decode`` (``requests``: rids, ``token_ids`` one each).
+        """
         if epoch != self.epoch:
             return self._restarted(epoch)
-        if mode not in MODES:
-            return InvalidRequestError(f"mode={mode!r}; expected one of {MODES}")
+        try:
+            check_mode(mode)
+        except InvalidRequestError as e:
+            return e
         with self._lock:
             self._settle_steps()  # a step that failed since: its group is rebuilt first
         group = self._ensure_group()
@@ -392,17 +367,24 @@ class Coordinator:
             return group
 
         def decide_and_submit() -> dict:
-            made, given = run()
-            self._dispatch(op, client_id)  # NOTE: the page moves are queued before the step
-            if decode is None:
-                seqs = self._extend_sequences(made, given)
-                answer = {"allocations": self._for_caller(made)}
+            if op == "decode":
+                slots, keys, toks = self._decode(
+                    client_id, requests, token_ids, step=True, probe=probe
+                )
+                answer: dict[str, Any] = {"slots": slots}
+                seqs = self._decode_sequences(keys, toks)
             else:
-                seqs, answer = self._decode_sequences(given, decode), {"slots": made}
+                allocs, tokens = self._extend(
+                    client_id, requests, cache_salt, step=True, probe=probe
+                )
+                answer = {"allocations": self._for_caller(allocs)}
+                seqs = self._extend_sequences(allocs, tokens)
+            self._dispatch(op, client_id)  # NOTE: the page moves are queued before the step
             self._step_count += 1
-            shared = self._share(StepInput(self._step_count, group, tuple(seqs), mode, probe))
+            step = StepRequest(self._step_count, group, tuple(seqs), mode, probe)
+            shared = self._share(step)
             handles = [self._channel.submit(r, "step", shared) for r in range(self.config.cp_size)]
-            self._track_step(self._step_count, seqs, handles)
+            self._track_step(step, handles)
             answer["lanes"] = handles
             return answer
 
@@ -418,6 +400,44 @@ class Coordinator:
             ]
         return answer
 
+    def _extend(
+        self, client_id: str | None, items, cache_salt, *, step: bool = False, probe=None
+    ) -> tuple[list[ExtendAllocation], list[np.ndarray]]:
+        """Decide an extend of ``items`` (lock held): a plain allocation (the client writes
+        the K/V) or, for a ``step``, the step's (its tokens checked against the vocabulary
+        unless it is a ``probe`` step).
+
+        Returns:
+            The allocations and the token ids of each item (``int64`` for a step).
+        """
+        keyed = self._keyed_items(client_id, items)
+        if step:
+            keyed = [(key, self._step_tokens(key, tokens, probe)) for key, tokens in keyed]
+        for key, _ in keyed:
+            self._check_not_failed(key)
+        allocs = self._core.allocate_extend_batch(keyed, cache_salt=cache_salt)
+        for a in allocs:
+            self._leases.hold(client_id, a.rid)
+            if not step:
+                self._client_writes(a.rid)
+        return allocs, [tokens for _, tokens in keyed]
+
+    def _decode(
+        self, client_id: str | None, rids, token_ids, *, step: bool = False, probe=None
+    ) -> tuple[np.ndarray, list[Hashable], Any]:
+        """Decide one more token for each request (lock held); for a step, its ids are
+        checked against the vocabulary. Returns the slots, the requests' keys and the ids."""
+        keys = self._keys(client_id, rids)
+        if step:
+            token_ids = self._step_tokens(rids, token_ids, probe)
+        for key in keys:
+            self._check_not_failed(key)
+        slots = self._core.allocate_decode(keys, token_ids)
+        if not step:
+            for key in keys:
+                self._client_writes(key)
+        return slots, keys, token_ids
+
     def _step_reply_bytes(self, answer: Any) -> int:
         """What a step's remembered reply pins: its logits (and probe outputs)."""
         if not isinstance(answer, dict):
@@ -425,42 +445,46 @@ class Coordinator:
         rows = len(answer.get("allocations", ())) or len(answer.get("slots", ()))
         return 4 * rows * (self.vocab_size or 1024)
 
-    def _extend_sequences(self, allocs: list[ExtendAllocation], given: list) -> list[StepSequence]:
+    def _extend_sequences(
+        self, allocs: list[ExtendAllocation], tokens: Sequence[np.ndarray]
+    ) -> list[StepSequence]:
         seqs, start = [], 0
-        for alloc, tokens in zip(allocs, given, strict=True):
-            tokens = np.asarray(tokens, dtype=np.int64)
-            n = tokens.shape[0]
+        for alloc, ids in zip(allocs, tokens, strict=True):
+            n = len(ids)
             # NOTE: a new request's cached prefix is not recomputed: its step starts after it.
-            new = tokens[n - alloc.extend_len :]
-            pages = self._core.request_pages(alloc.rid)
             seqs.append(
                 StepSequence(
-                    alloc.rid, alloc.prefix_len, alloc.extend_len, pages, new, start + n - new.size
+                    alloc.prefix_len,
+                    alloc.extend_len,
+                    self._core.request_pages(alloc.rid),
+                    ids[n - alloc.extend_len :],
+                    alloc.rid,
+                    start + n - alloc.extend_len,
                 )
             )
             start += n
         return seqs
 
-    def _decode_sequences(self, keys: list, token_ids) -> list[StepSequence]:
+    def _decode_sequences(self, keys: list[Hashable], token_ids) -> list[StepSequence]:
+        ids = np.zeros(len(keys), np.int64) if token_ids is None else token_ids
         seqs = []
-        toks = np.zeros(len(keys), np.int64) if token_ids is None else np.asarray(token_ids)
         for i, key in enumerate(keys):
             n = self._core.request_len(key)
-            tok = toks[i : i + 1].astype(np.int64)
-            seqs.append(StepSequence(key, n - 1, 1, self._core.request_pages(key), tok, i))
+            pages = self._core.request_pages(key)
+            seqs.append(StepSequence(n - 1, 1, pages, ids[i : i + 1], key, i))
         return seqs
 
     # ---------------------------------------------------------- step outcomes
-    def _track_step(self, step_id: int, seqs: list[StepSequence], handles: list) -> None:
+    def _track_step(self, step: StepRequest, handles: list) -> None:
         """Remember a dispatched step until every lane has answered it (lock held)."""
         lengths = []
-        for s in seqs:
+        for s in step.sequences:
             track = self._tracks.get(s.rid)
             if track is None:
                 track = self._tracks[s.rid] = _Track(written=s.prefix_len)
             track.inflight += 1
-            lengths.append((s.rid, s.prefix_len + s.extend_len))
-        self._inflight[step_id] = _InflightStep(step_id, lengths, handles)
+            lengths.append((s.rid, s.seq_len))
+        self._inflight[step.step_id] = _InflightStep(step.step_id, lengths, handles)
 
     def _settle_steps(self) -> None:
         """Take in the outcome of every step whose lanes have all answered, or one of which
@@ -495,7 +519,7 @@ class Coordinator:
                         track.inflight -= 1
                 continue
             self.num_failed_steps += 1
-            self._group_id = None  # every lane left the group: build a new one
+            self._supervisor.drop_group()  # every lane left the group: build a new one
             detail = f"step {sid} failed: {type(error).__name__}: {str(error)[:300]}"
             logger.warning("%s; its requests are marked failed", detail)
             for key, _length in st.lengths:
@@ -528,11 +552,14 @@ class Coordinator:
         self._tracks.pop(key, None)
         self._failed.pop(key, None)
 
-    def _check_step_tokens(self, rid, tokens, probe) -> None:
+    def _step_tokens(self, rid, tokens, probe) -> Any:
         """The second line behind the client's check: ids the model has (a bad id would fail
-        the lanes' embedding, or assert on a GPU, after the pages were decided)."""
+        the lanes' embedding, or assert on a GPU, after the pages were decided). Returns them
+        as ``int64`` (no copy when the client sent them so)."""
         if probe is None and tokens is not None and self.vocab_size is not None:
-            check_vocab(as_token_array(tokens), self.vocab_size, name=f"token_ids[{rid!r}]")
+            tokens = as_token_array(tokens, name=f"token_ids[{rid!r}]")
+            check_vocab(tokens, self.vocab_size, name=f"token_ids[{rid!r}]")
+        return tokens
 
     # ------------------------------------------------------------- namespaces
     def _namespace_id(self, ns: str) -> int:
@@ -579,46 +606,8 @@ class Coordinator:
         return obj if share is None else share(obj)
 
     def _ensure_group(self) -> str | CPKVError:
-        """The current lane group's id, building the group first when it is stale."""
-        with self._group_lock:
-            with self._lock:
-                if self._group_id is not None:
-                    return self._group_id
-                down = [r for r in range(self.config.cp_size) if not self._health.is_up(r)]
-                if down:
-                    return self._lanes_unavailable(f"lanes {down} are restarting; no step can run")
-            t = self._timeout_s
-            try:
-                if self._backend is None:
-                    from cpkv.lanes.comm import choose_backend
-
-                    infos = [
-                        self._channel.call(r, "info", timeout=t) for r in range(self.config.cp_size)
-                    ]
-                    self._backend = choose_backend([_device_id(i) for i in infos])
-                host, port = self._channel.call(0, "rendezvous_address", timeout=t)
-            except Exception as e:  # a lane died meanwhile: the heartbeat will see it
-                return self._lanes_unavailable(
-                    f"could not build the lane group ({type(e).__name__})"
-                )
-            with self._lock:
-                self._group_count += 1
-                gid = f"{self.epoch[:8]}:g{self._group_count}"
-                for r in range(self.config.cp_size):
-                    self._channel.submit(r, "init_group", gid, host, port, self._backend, t)
-                self._group_id = gid
-                return gid
-
-    def _lanes_unavailable(self, message: str) -> KVCapacityWaitError:
-        """A step cannot run until every lane serves: back off and retry."""
-        zeros = [0] * self.config.cp_size
-        return KVCapacityWaitError(
-            message,
-            required_by_owner=zeros,
-            available_by_owner=zeros,
-            deficit_by_owner=zeros,
-            reason="lane_unavailable",
-        )
+        """The current lane group's id (the supervisor builds a stale one first)."""
+        return self._supervisor.ensure_group(self._timeout_s)
 
     def renew_lease(self, client_id: str) -> bool:
         """Push the client's lease out; False when it has none (lapsed, or a new coordinator).
@@ -675,11 +664,12 @@ class Coordinator:
         with it (those of its namespace, as it named them)."""
         if epoch != self.epoch:
             return self._restarted(epoch)
-        # NOTE: probe() fails the lane itself when it finds it dead or restarted; failing
-        # it here again could lose a lane that recovered in between a second time.
+        # NOTE: probe() records the lane lost when it finds it dead or restarted, for the
+        # generation it asked; a lane that recovered in between is not lost a second time.
         logger.info("a client reports lane %d failing: %s", lane, detail)
-        self._health.probe(lane, self._timeout_s)
+        self._supervisor.probe(lane, self._timeout_s)
         with self._lock:
+            self._settle_lanes()
             ns = self._namespace(client_id)
             return [user_rid(k) for k in self._core.lost_rids(lane) if _namespace_of(k) == ns]
 
@@ -687,15 +677,16 @@ class Coordinator:
     def stats(self) -> dict:
         """Per-lane counts, counters and lane health; never waits for a lane."""
         with self._lock:
-            self._health.fail_moves()
+            self._settle_lanes()
+            states = self._supervisor.states()
             out = self._core.stats()
             out["epoch"] = self.epoch
-            out["mirror_mismatches"] = self._health.mismatches
-            out["slow_heartbeats"] = self._health.slow_heartbeats
-            out["lane_losses"] = [[lane, len(rids)] for lane, rids in self._health.losses]
-            out["lane_states"] = list(self._health.states)
-            out["restarting_lanes"] = self._health.lanes_in(RESTARTING)
-            out["dead_lanes"] = self._health.lanes_in("dead")
+            out["mirror_mismatches"] = self._supervisor.num_mismatches
+            out["slow_heartbeats"] = self._supervisor.num_slow_heartbeats
+            out["lane_losses"] = [[lane, len(rids)] for lane, rids in self._losses]
+            out["lane_states"] = states
+            out["restarting_lanes"] = [r for r, s in enumerate(states) if s == RESTARTING]
+            out["dead_lanes"] = [r for r, s in enumerate(states) if s == DEAD]
             out["lane_calls"] = self._channel.num_calls
             out["lane_calls_by_op"] = dict(self._channel.num_moves_by_op)
             out["pending_lane_calls"] = self._channel.num_pending
@@ -705,7 +696,7 @@ class Coordinator:
             out["leases_kept_alive"] = self._leases.num_kept_alive
             out["failed_steps"] = self.num_failed_steps
             out["steps_in_flight"] = len(self._inflight)
-            out["hung_lanes"] = self._health.num_hung
+            out["hung_lanes"] = self._supervisor.num_hung
             return out
 
     def check(self) -> dict:
@@ -714,18 +705,18 @@ class Coordinator:
         Waits for the serving lanes only (a lane that is restarting is reported as such).
         """
         with self._lock:
-            self._health.fail_moves()
+            self._settle_lanes()
             problems = []
             try:
                 self._core.check_invariants()
             except AssertionError as e:
                 problems.append(f"core: {e}")
             expected = self._held_per_lane()
-            for lane in range(self.config.cp_size):
-                if not self._health.is_up(lane):
-                    problems.append(f"lane {lane}: {self._health.states[lane]}")
-            sent = self._health.send_heartbeats()
-        for r, known, _gen, reply in self._health.replies(sent, self._timeout_s):
+            for lane, state in enumerate(self._supervisor.states()):
+                if state != UP:
+                    problems.append(f"lane {lane}: {state}")
+            sent = self._supervisor.send_heartbeats()
+        for r, known, _gen, reply in self._supervisor.replies(sent, self._timeout_s):
             if isinstance(reply, BaseException):  # a dead lane is a finding here, not a crash
                 problems.append(f"lane {r}: {type(reply).__name__}")
                 continue
@@ -735,21 +726,29 @@ class Coordinator:
             elif held != expected[r]:
                 problems.append(f"lane {r}: holds {held} pages, mirror says {expected[r]}")
         with self._lock:  # the moves answered before those heartbeats: any refused?
-            self._health.fail_moves()
+            self._settle_lanes()
         return {"ok": not problems, "problems": problems, "held": expected}
 
     def heartbeat_once(self) -> None:
-        """One heartbeat round (the background loop calls this every ``heartbeat_s``)."""
-        # NOTE: LaneHealth calls _held_per_lane with the lock held.
-        self._health.heartbeat(self._held_per_lane, max(5.0, self._timeout_s))
+        """One heartbeat round (the background loop calls this every ``heartbeat_s``): find
+        lanes that died, restarted, hung or disagree with the mirror; fail the lost ones.
+
+        Takes the lock only to read and to act; waits for the lanes without it.
+        """
+        with self._lock:
+            self._settle_lanes()
+            expected = self._held_per_lane()
+            sent = self._supervisor.send_heartbeats()
+        self._supervisor.heartbeat(sent, expected, max(5.0, self._timeout_s))
+        with self._lock:
+            self._settle_lanes()
 
     def wait_recovered(self, timeout: float) -> bool:
         """Wait for lane recoveries in flight (tests)."""
-        return self._health.wait_recovered(timeout)
+        return self._supervisor.wait_recovered(timeout)
 
     def lane_states(self) -> list[str]:
-        with self._lock:
-            return list(self._health.states)
+        return self._supervisor.states()
 
     # ------------------------------------------------------------- internals
     def _restarted(self, epoch: str) -> CoordinatorUnavailableError:
@@ -785,7 +784,7 @@ class Coordinator:
                 if key is not None:  # a retry of this call gets the same notice
                     self._replies.put(key, lapsed, tag=(op, digest))
                 return lapsed
-            self._health.fail_moves(_MOVE_POLL_S)
+            self._settle_lanes(_MOVE_POLL_S)
             try:
                 answer = self._for_caller(run())
             except CPKVError as e:
@@ -862,20 +861,17 @@ class Coordinator:
         free = self._core.num_free_pages_per_lane()
         return (self.config.num_pages_per_lane - 1 - free).tolist()
 
-    def _on_lane_lost(self, lane: int, why: str) -> list[Hashable]:
-        del why
-        self._group_id = None
-        lost = self._core.drop_lane(lane)
-        for key in lost:
-            self._forget_request(key)
-        self._core.set_lane_available(lane, False)
-        self._dispatch("lane_lost")
-        # NOTE: leases keep the lost rids until freed: an expiry acknowledges them too.
-        return lost
-
-    def _on_lane_back(self, lane: int) -> None:
-        self._core.set_lane_available(lane, True)
-        self._group_id = None  # the restarted lane joins a new group
+    def _settle_lanes(self, min_poll_s: float = 0.0) -> None:
+        """Fail the requests of every lane the supervisor found lost since the last call
+        (lock held; ``min_poll_s``: see :meth:`LaneSupervisor.settle`)."""
+        for lane, why in self._supervisor.settle(min_poll_s):
+            lost = self._core.drop_lane(lane)
+            for key in lost:
+                self._forget_request(key)
+            self._losses.append((lane, lost))
+            logger.warning("lane %d lost (%s): %d requests failed: %s", lane, why, len(lost), lost)
+            self._dispatch("lane_lost")
+            # NOTE: leases keep the lost rids until freed: an expiry acknowledges them too.
 
     def _heartbeat_loop(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
@@ -884,13 +880,6 @@ class Coordinator:
                 self.expire_leases()
             except Exception:
                 logger.exception("heartbeat failed")
-
-
-def _device_id(info: dict) -> str:
-    """A lane's device, named uniquely across the pool (lanes on one GPU share a name)."""
-    if not info["device"].startswith("cuda"):
-        return "cpu"
-    return f"{info['node_id']}/cuda:{','.join(info['gpu_ids'])}"
 
 
 def _namespace_of(key: Hashable) -> str | None:

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PageTable", "QExchange", "StepPlan", "StepRequest"]
+from cpkv.core.steps import StepSequence
+
+__all__ = ["PageTable", "QExchange", "StepPlan"]
 
 
 def _int(name: str, value: object, minimum: int) -> int:
@@ -41,47 +43,6 @@ def _cumsum0(counts: np.ndarray) -> np.ndarray:
 def _readonly(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
-
-
-@dataclass(slots=True, frozen=True, eq=False)
-class StepRequest:
-    """One request of a step.
-
-    Attributes:
-        prefix_len: tokens the sequence held before this step (already in the shards).
-        extend_len: new tokens of this step (``>= 1``; 1 for decode).
-        pages: ``int32 [ceil((prefix_len + extend_len) / page_size)]`` global page ids of the
-            whole sequence after the step, in position order (read-only copy).
-
-    Raises:
-        ValueError: a length that is not an integer, ``prefix_len < 0``, ``extend_len < 1``,
-            ``pages`` not a 1-D integer array, or a negative page id. The page count and the
-            reserved pages are checked by :meth:`StepPlan.build`, which knows ``page_size`` and
-            ``cp_size``.
-    """
-
-    prefix_len: int
-    extend_len: int
-    pages: np.ndarray
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "prefix_len", _int("prefix_len", self.prefix_len, 0))
-        object.__setattr__(self, "extend_len", _int("extend_len", self.extend_len, 1))
-        pages = np.asarray(self.pages)
-        if pages.ndim != 1:
-            raise ValueError(f"pages must be 1-D, got shape {pages.shape}")
-        if pages.size and (pages.dtype == np.bool_ or not np.issubdtype(pages.dtype, np.integer)):
-            raise ValueError(f"pages must hold integers, got dtype {pages.dtype}")
-        if pages.size and int(pages.min()) < 0:
-            raise ValueError(f"pages holds a negative page id {int(pages.min())}")
-        if pages.size and int(pages.max()) > np.iinfo(np.int32).max:
-            raise ValueError(f"pages holds page id {int(pages.max())} beyond int32")
-        object.__setattr__(self, "pages", _readonly(pages.astype(np.int32, copy=True)))
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens of the sequence after the step."""
-        return self.prefix_len + self.extend_len
 
 
 @dataclass(slots=True, frozen=True, eq=False)
@@ -235,7 +196,9 @@ class StepPlan:
         return 0 if self.history is None else self.history.num_tokens
 
     @staticmethod
-    def build(requests: Sequence[StepRequest], cp_size: int, page_size: int, lane: int) -> StepPlan:
+    def build(
+        requests: Sequence[StepSequence], cp_size: int, page_size: int, lane: int
+    ) -> StepPlan:
         """Derive the step's plan; every lane gets the same global arrays.
 
         Args:
@@ -260,8 +223,8 @@ class StepPlan:
         if len(requests) == 0:
             raise ValueError("a step needs at least one request, got none")
         for b, r in enumerate(requests):
-            if not isinstance(r, StepRequest):
-                raise ValueError(f"requests[{b}] is {type(r).__name__}, not StepRequest")
+            if not isinstance(r, StepSequence):
+                raise ValueError(f"requests[{b}] is {type(r).__name__}, not StepSequence")
             want = -(-r.seq_len // ps)
             if r.pages.shape[0] != want:
                 raise ValueError(

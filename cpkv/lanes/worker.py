@@ -1,11 +1,11 @@
 """LaneWorker: one lane's model weights, its collective group and its step loop.
 
 The lane actor holds a worker beside its shard. A step (one Ray call per lane,
-all lanes in parallel) carries the same :class:`cpkv.core.steps.StepInput` to every
+all lanes in parallel) carries the same :class:`cpkv.core.steps.StepRequest` to every
 lane; each derives its share with :class:`StepPlan`, runs every layer for its own
 tokens, writes their K/V into its shard in place and attends through
 :class:`CPAttention`, exchanging with the other lanes over torch.distributed,
-never through the driver.
+never through the driver, and answers a :class:`cpkv.core.steps.StepResult`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpkv.core.steps import StepInput
+from cpkv.core.steps import StepRequest, StepResult
 from cpkv.lanes.attention import CPAttention
 from cpkv.lanes.clock import StreamClock
 from cpkv.lanes.comm import LaneGroup, free_port
 from cpkv.lanes.shard import LaneShard
-from cpkv.lanes.step import StepPlan, StepRequest
+from cpkv.lanes.step import StepPlan
 
 __all__ = ["LaneGroupError", "LaneWorker"]
 
@@ -120,15 +120,13 @@ class LaneWorker:
         self.group, self.group_id = None, None
 
     # ------------------------------------------------------------------- step
-    def step(self, shard: LaneShard, step: StepInput) -> dict:
+    def step(self, shard: LaneShard, step: StepRequest) -> StepResult:
         """Run one step on this lane; a collective over the lane group.
 
         Returns:
-            ``{"logits": {b: fp32 [vocab]}`` for the sequences whose last new token this
-            lane computed, ``"out"`` (probe steps: ``fp32 [n_mine, Hq, D]`` with
-            ``"tokens"`` their step indices), ``"num_tokens"``, ``"compute_s"``, ``"mode"``,
-            ``"wait_s"`` (time in the lanes' collectives), ``"attention_s"`` (time in CP
-            attention, its collectives included), ``"exchange_bytes"``.
+            This lane's :class:`StepResult`: the logits of the sequences whose last new
+            token it computed (probe steps: the attention outputs of its tokens), and its
+            timings.
 
         Raises:
             LaneGroupError: the step was made for another group.
@@ -173,34 +171,31 @@ class LaneWorker:
                 self.group, self.group_id = None, None
             raise
 
-    def _run(self, shard: LaneShard, step: StepInput) -> dict:
+    def _run(self, shard: LaneShard, step: StepRequest) -> StepResult:
         self.group.take_wait_seconds()  # drop what measure() or an earlier failure left
         self._attention_clock.take()
         t0 = time.perf_counter()
-        plan = StepPlan.build(
-            [StepRequest(s.prefix_len, s.extend_len, s.pages) for s in step.sequences],
-            self.cp_size,
-            shard.page_size,
-            self.lane,
-        )
+        plan = StepPlan.build(step.sequences, self.cp_size, shard.page_size, self.lane)
         attn = CPAttention(self.group, plan, step.mode)
-        out: dict[str, Any] = {"num_tokens": int(plan.num_mine), "logits": {}}
+        logits, out, tokens = {}, None, None
         if step.probe is not None:
-            rows = np.concatenate(
-                [np.arange(s.probe_start, s.probe_start + s.extend_len) for s in step.sequences]
-            )
-            out["out"] = self._probe(shard, plan, attn, step.probe, rows)
-            out["tokens"] = plan.my_tokens
+            out = self._probe(shard, plan, attn, step.probe, step.probe_rows)
+            tokens = plan.my_tokens
         else:
-            out["logits"] = self._forward(shard, plan, attn, step)
+            logits = self._forward(shard, plan, attn, step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        out["compute_s"] = time.perf_counter() - t0
-        out["wait_s"] = self.group.take_wait_seconds()
-        out["attention_s"] = self._attention_clock.take()
-        out["mode"] = attn.last_mode
-        out["exchange_bytes"] = int(attn.exchange_bytes)
-        return out
+        return StepResult(
+            num_tokens=int(plan.num_mine),
+            compute_s=time.perf_counter() - t0,
+            wait_s=self.group.take_wait_seconds(),
+            attention_s=self._attention_clock.take(),
+            mode=attn.last_mode,
+            exchange_bytes=int(attn.exchange_bytes),
+            logits=logits,
+            out=out,
+            tokens=tokens,
+        )
 
     def _probe(
         self, shard: LaneShard, plan: StepPlan, attn: CPAttention, probe, rows: np.ndarray
@@ -216,13 +211,13 @@ class LaneWorker:
         return o.float().cpu()
 
     def _forward(
-        self, shard: LaneShard, plan: StepPlan, attn: CPAttention, step: StepInput
+        self, shard: LaneShard, plan: StepPlan, attn: CPAttention, step: StepRequest
     ) -> dict[int, np.ndarray]:
         model = self.model
         if model is None:
             raise ValueError("this pool has no model: connect(..., model=...) to prefill")
         dev = self.device
-        ids = np.concatenate([s.token_ids for s in step.sequences])
+        ids = step.token_ids
         mine = np.ascontiguousarray(plan.my_tokens)
         tokens = torch.from_numpy(ids[mine]).to(dev)
         positions = torch.from_numpy(np.array(plan.my_positions, dtype=np.int64)).to(dev)

@@ -434,15 +434,16 @@ def step_exchange_bytes(alloc, cp_size: int, config, mode: str) -> list[int]:
     Raises:
         ValueError: the step had a cached prefix (its pages are not in the allocation).
     """
+    from cpkv.core.steps import StepSequence
     from cpkv.lanes.attention import lane_exchange_bytes
-    from cpkv.lanes.step import StepPlan, StepRequest
+    from cpkv.lanes.step import StepPlan
 
     if alloc.prefix_len:
         raise ValueError("step_exchange_bytes needs a step without a cached prefix")
     ps = alloc.page_size
     pages = (np.asarray(alloc.out_cache_loc)[::ps] // ps).astype(np.int32)
     elt = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
-    req = [StepRequest(0, alloc.extend_len, pages)]
+    req = [StepSequence(0, alloc.extend_len, pages)]
     return [
         config.num_layers
         * lane_exchange_bytes(
