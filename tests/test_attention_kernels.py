@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 import importlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import pytest
 import torch.nn.functional as F
@@ -135,21 +135,13 @@ class Inputs:
     page_len: torch.Tensor
     cu_pages: torch.Tensor
 
-    def args(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self.q,
-            self.q_pos,
-            self.cu_q,
-            self.k,
-            self.v,
-            self.page_table,
-            self.page_pos,
-            self.page_len,
-            self.cu_pages,
-        )
+    def args(self) -> tuple[torch.Tensor | K.PagedKVTable, ...]:
+        """The launcher's positional arguments before ``sm_scale``."""
+        pages = K.PagedKVTable(self.page_table, self.page_pos, self.page_len, self.cu_pages)
+        return (self.q, self.q_pos, self.cu_q, self.k, self.v, pages)
 
     def to(self, device: torch.device) -> Inputs:
-        return Inputs(*(t.to(device) for t in self.args()))
+        return Inputs(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def build(
@@ -565,7 +557,7 @@ def _call(**changes) -> Callable[[], object]:
                     "page_len",
                     "cu_pages",
                 ),
-                x.args(),
+                (getattr(x, f.name) for f in fields(x)),
                 strict=True,
             )
         )
@@ -575,7 +567,8 @@ def _call(**changes) -> Callable[[], object]:
                 kwargs[name] = value
             else:
                 args[name] = value(args[name]) if callable(value) else value
-        return K.paged_partial_attention(**args, **kwargs)
+        table = [args.pop(n) for n in ("page_table", "page_pos", "page_len", "cu_pages")]
+        return K.paged_partial_attention(**args, pages=K.PagedKVTable(*table), **kwargs)
 
     return call
 

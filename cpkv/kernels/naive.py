@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from cpkv.kernels.page_table import PagedKVTable
+
 __all__ = ["gather_kv", "merge_attn_states", "paged_partial_attention", "store_kv"]
 
 
@@ -46,21 +48,15 @@ def paged_partial_attention(
     cu_q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    page_pos: torch.Tensor,
-    page_len: torch.Tensor,
-    cu_pages: torch.Tensor,
+    pages: PagedKVTable,
     sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`cpkv.kernels.paged_partial_attention`: attention of queries with
     global positions over the pages one lane holds, causal by position, with its log-sum-exp.
 
     Queries and pages are grouped by sequence: sequence ``b`` owns queries
-    ``cu_q[b]:cu_q[b+1]`` and pages ``cu_pages[b]:cu_pages[b+1]`` of ``page_table``. Slot ``j``
-    of page ``i`` holds the key at position ``page_pos[i] + j`` when ``j < page_len[i]``; a
-    query at position ``p`` sees the keys of its own sequence at positions ``<= p``. Pages
-    need not be in position order nor contiguous in positions (zigzag segments, cached
-    prefixes spread over lanes).
+    ``cu_q[b]:cu_q[b+1]`` and its pages of ``pages`` (see :class:`PagedKVTable`); a query at
+    position ``p`` sees the keys of its own sequence at positions ``<= p``.
 
     Args:
         q: ``[Tq, Hq, D]`` queries (fp16/bf16/fp32).
@@ -68,10 +64,7 @@ def paged_partial_attention(
         cu_q: ``int32/int64 [B + 1]`` query offsets per sequence (non-decreasing, from 0).
         k_cache, v_cache: ``[P, page_size, Hkv, D]`` the lane's shard; ``Hq % Hkv == 0`` (GQA:
             query head ``h`` reads KV head ``h // (Hq // Hkv)``).
-        page_table: ``int32 [N]`` local page ids, grouped by sequence.
-        page_pos: ``int64 [N]`` global position of each page's slot 0.
-        page_len: ``int32 [N]`` valid slots of each page, in ``[0, page_size]``.
-        cu_pages: ``int32/int64 [B + 1]`` page offsets per sequence.
+        pages: the sequences' pages in the shard.
         sm_scale: softmax scale (usually ``D ** -0.5``).
 
     Returns:
@@ -84,18 +77,18 @@ def paged_partial_attention(
     group = hq // hkv
     out = torch.zeros(tq, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((tq, hq), float("-inf"), dtype=torch.float32, device=q.device)
-    cu_q_l, cu_p_l = cu_q.tolist(), cu_pages.tolist()
+    cu_q_l, cu_p_l = cu_q.tolist(), pages.cu_pages.tolist()
     for b in range(len(cu_q_l) - 1):
         q0, q1, p0, p1 = cu_q_l[b], cu_q_l[b + 1], cu_p_l[b], cu_p_l[b + 1]
         if q1 == q0 or p1 == p0:
             continue
-        pages = page_table[p0:p1].to(torch.int64)
+        local = pages.page_table[p0:p1].to(torch.int64)
         # Keys of this sequence on this lane, flattened page by page: [n_pages * ps, Hkv, D].
-        k = k_cache[pages].reshape(-1, hkv, d).float()
-        v = v_cache[pages].reshape(-1, hkv, d).float()
+        k = k_cache[local].reshape(-1, hkv, d).float()
+        v = v_cache[local].reshape(-1, hkv, d).float()
         offs = torch.arange(ps, device=q.device)
-        kpos = (page_pos[p0:p1].to(torch.int64)[:, None] + offs).reshape(-1)
-        kvalid = (offs[None, :] < page_len[p0:p1].to(torch.int64)[:, None]).reshape(-1)
+        kpos = (pages.page_pos[p0:p1].to(torch.int64)[:, None] + offs).reshape(-1)
+        kvalid = (offs[None, :] < pages.page_len[p0:p1].to(torch.int64)[:, None]).reshape(-1)
         # NOTE: slots past a page's length may hold anything (NaN included); p there is 0, but
         # 0 * NaN is NaN, so their values never reach the product.
         v = v.masked_fill(~kvalid[:, None, None], 0.0)

@@ -23,6 +23,7 @@ from cpkv.kernels._common import (
     triton,
     use_triton,
 )
+from cpkv.kernels.page_table import PagedKVTable
 
 _NAME = "paged_partial_attention"
 
@@ -285,15 +286,13 @@ def _validate(
     cu_q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    page_pos: torch.Tensor,
-    page_len: torch.Tensor,
-    cu_pages: torch.Tensor,
+    pages: PagedKVTable,
     sm_scale: float,
     max_q_len: int | None,
     out_dtype: torch.dtype,
 ) -> torch.device:
-    """Host-side checks of shapes, dtypes, devices and layout (no device sync)."""
+    """Host-side checks of shapes, dtypes, devices and layout (no device sync); the table
+    checked its own tensors when it was built."""
     q = check_tensor(_NAME, "q", q, ndim=3, dtypes=KV_DTYPES)
     k_cache = check_tensor(_NAME, "k_cache", k_cache, ndim=4, dtypes=KV_DTYPES, contiguous=True)
     v_cache = check_tensor(_NAME, "v_cache", v_cache, ndim=4, dtypes=KV_DTYPES, contiguous=True)
@@ -331,20 +330,12 @@ def _validate(
             f"{tuple(q_pos.shape)}"
         )
     check_tensor(_NAME, "cu_q", cu_q, ndim=1, dtypes=INT_DTYPES, contiguous=True)
-    check_tensor(_NAME, "cu_pages", cu_pages, ndim=1, dtypes=INT_DTYPES, contiguous=True)
-    if cu_q.shape[0] == 0 or cu_q.shape != cu_pages.shape:
+    if not isinstance(pages, PagedKVTable):
+        raise ValueError(f"{_NAME}: pages must be a PagedKVTable, got {type(pages).__name__}")
+    if cu_q.shape[0] == 0 or cu_q.shape != pages.cu_pages.shape:
         raise ValueError(
             f"{_NAME}: cu_q has shape {tuple(cu_q.shape)} and cu_pages has shape "
-            f"{tuple(cu_pages.shape)}; both must be [B + 1] for the same B"
-        )
-    check_tensor(_NAME, "page_table", page_table, ndim=1, dtypes=INT_DTYPES, contiguous=True)
-    check_tensor(_NAME, "page_pos", page_pos, ndim=1, dtypes=(torch.int64,), contiguous=True)
-    check_tensor(_NAME, "page_len", page_len, ndim=1, dtypes=INT_DTYPES, contiguous=True)
-    if not page_table.shape == page_pos.shape == page_len.shape:
-        raise ValueError(
-            f"{_NAME}: page_table has shape {tuple(page_table.shape)}, page_pos has shape "
-            f"{tuple(page_pos.shape)}, page_len has shape {tuple(page_len.shape)}; "
-            "they must have one length"
+            f"{tuple(pages.cu_pages.shape)}; both must be [B + 1] for the same B"
         )
     # NOTE: > 0 so the row max of the scaled scores is the scaled row max (one FMA per score).
     if (
@@ -363,20 +354,11 @@ def _validate(
         cu_q=cu_q,
         k_cache=k_cache,
         v_cache=v_cache,
-        page_table=page_table,
-        page_pos=page_pos,
-        page_len=page_len,
-        cu_pages=cu_pages,
+        pages=pages.page_table,
     )
 
 
-def _read_sizes(
-    cu_q: torch.Tensor,
-    cu_pages: torch.Tensor,
-    page_len: torch.Tensor,
-    n_tokens: int,
-    page_size: int,
-) -> int:
+def _read_sizes(cu_q: torch.Tensor, pages: PagedKVTable, n_tokens: int, page_size: int) -> int:
     """Read the offsets' ends and the longest sequence from the device (one sync) and check the
     offsets and page lengths while at it.
 
@@ -387,10 +369,10 @@ def _read_sizes(
         ValueError: offsets that do not start at 0, fall, or end off the tensors' lengths;
             page lengths outside ``[0, page_size]``.
     """
-    cu_q64, cu_p64 = cu_q.to(torch.int64), cu_pages.to(torch.int64)
+    cu_q64, cu_p64 = cu_q.to(torch.int64), pages.cu_pages.to(torch.int64)
     q_lens, p_lens = cu_q64.diff(), cu_p64.diff()
     zero = cu_q64.new_zeros(())
-    lens = page_len.to(torch.int64)
+    lens = pages.page_len.to(torch.int64)
     stats = torch.stack(
         (
             cu_q64[0],
@@ -405,12 +387,12 @@ def _read_sizes(
         )
     )
     q0, q1, q_min, q_max, p0, p1, p_min, len_min, len_max = stats.tolist()
-    n_pages = page_len.shape[0]
+    n_pages = pages.num_pages
     if q0 != 0 or q1 != n_tokens or q_min < 0:
         raise ValueError(f"{_NAME}: cu_q {cu_q.tolist()} must rise from 0 to q's {n_tokens} tokens")
     if p0 != 0 or p1 != n_pages or p_min < 0:
         raise ValueError(
-            f"{_NAME}: cu_pages {cu_pages.tolist()} must rise from 0 to the {n_pages} pages "
+            f"{_NAME}: cu_pages {pages.cu_pages.tolist()} must rise from 0 to the {n_pages} pages "
             "of page_table"
         )
     if len_min < 0 or len_max > page_size:
@@ -445,10 +427,7 @@ def paged_partial_attention(
     cu_q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    page_pos: torch.Tensor,
-    page_len: torch.Tensor,
-    cu_pages: torch.Tensor,
+    pages: PagedKVTable,
     sm_scale: float,
     *,
     max_q_len: int | None = None,
@@ -458,14 +437,12 @@ def paged_partial_attention(
     position, with its log-sum-exp (merge lanes' partials with :func:`merge_attn_states`).
 
     Queries and pages are grouped by sequence: sequence ``b`` owns queries
-    ``cu_q[b]:cu_q[b+1]`` and pages ``cu_pages[b]:cu_pages[b+1]`` of ``page_table``. Slot ``j``
-    of page ``i`` holds the key at position ``page_pos[i] + j`` when ``j < page_len[i]``; a
-    query at position ``p`` sees the keys of its own sequence at positions ``<= p``. Pages
-    need not be in position order nor contiguous in positions. The shard is read in place
-    through the page table (FA2-style online softmax in fp32, exp2 domain); the key range of
-    each block of queries is bounded first, so pages past its last position cost nothing and
-    pages every query of the block fully sees run without masks (fastest when a sequence's
-    pages come in position order).
+    ``cu_q[b]:cu_q[b+1]`` and its pages of ``pages`` (see :class:`PagedKVTable`); a query at
+    position ``p`` sees the keys of its own sequence at positions ``<= p``. The shard is read
+    in place through the page table (FA2-style online softmax in fp32, exp2 domain); the key
+    range of each block of queries is bounded first, so pages past its last position cost
+    nothing and pages every query of the block fully sees run without masks (fastest when a
+    sequence's pages come in position order).
 
     Args:
         q: ``[Tq, Hq, D]`` queries (fp16/bf16/fp32), unit stride on D.
@@ -474,10 +451,7 @@ def paged_partial_attention(
         k_cache: ``[P, page_size, Hkv, D]`` contiguous, dtype of ``q``; ``Hq % Hkv == 0``
             (GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``).
         v_cache: like ``k_cache``.
-        page_table: ``int32/int64 [N]`` local page ids, grouped by sequence.
-        page_pos: ``int64 [N]`` global position of each page's slot 0.
-        page_len: ``int32/int64 [N]`` valid slots of each page, in ``[0, page_size]``.
-        cu_pages: ``int32/int64 [B + 1]`` page offsets per sequence.
+        pages: the sequences' pages in the shard, on its device; ``B`` sequences, as ``cu_q``.
         sm_scale: softmax scale > 0 (usually ``D ** -0.5``).
         max_q_len: optional host-side bound on the longest sequence's query count (any upper
             bound works; larger only adds idle programs). Given, the launch needs no device
@@ -496,25 +470,20 @@ def paged_partial_attention(
             offsets that do not match the tensors or page lengths outside ``[0, page_size]``.
 
     NOTE: with ``max_q_len`` given nothing is value-checked (that needs a device sync): offsets
-    must cover ``q`` and ``page_table`` exactly and page ids / lengths be in range, or queries
+    must cover ``q`` and the page table exactly and page ids / lengths be in range, or queries
     are left unwritten and the kernel reads out of bounds.
     """
-    device = _validate(
-        q, q_pos, cu_q, k_cache, v_cache, page_table, page_pos, page_len, cu_pages,
-        sm_scale, max_q_len, out_dtype,
-    )  # fmt: skip
+    device = _validate(q, q_pos, cu_q, k_cache, v_cache, pages, sm_scale, max_q_len, out_dtype)
     tq, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     n_seqs = cu_q.shape[0] - 1
     if max_q_len is None:
-        max_q_len = _read_sizes(cu_q, cu_pages, page_len, tq, page_size)
+        max_q_len = _read_sizes(cu_q, pages, tq, page_size)
     if tq == 0 or d == 0 or n_seqs == 0 or max_q_len == 0:
         out = torch.zeros((tq, hq, d), dtype=out_dtype, device=device)
         return out, torch.full((tq, hq), float("-inf"), dtype=torch.float32, device=device)
     if not use_triton(_NAME, device):
-        out, lse = naive.paged_partial_attention(
-            q, q_pos, cu_q, k_cache, v_cache, page_table, page_pos, page_len, cu_pages, sm_scale
-        )
+        out, lse = naive.paged_partial_attention(q, q_pos, cu_q, k_cache, v_cache, pages, sm_scale)
         return out.to(out_dtype), lse
 
     group = hq // hkv
@@ -537,10 +506,10 @@ def paged_partial_attention(
         cu_q,
         k_cache,
         v_cache,
-        page_table,
-        page_pos,
-        page_len,
-        cu_pages,
+        pages.page_table,
+        pages.page_pos,
+        pages.page_len,
+        pages.cu_pages,
         block_seq,
         cu_blocks,
         out,
