@@ -722,3 +722,17 @@ def test_fallback_uses_reference_and_logs_once(monkeypatch, caplog, reason, name
     records = [r for r in caplog.records if r.name == "cpkv.kernels"]
     assert len(records) == 1, [r.getMessage() for r in records]
     assert name in records[0].getMessage() and expected_reason in records[0].getMessage()
+
+
+def test_kernel_built_compiled_is_rebuilt_with_its_helper(monkeypatch):
+    """TRITON_INTERPRET set after import: the kernel and the @triton.jit tile update it calls
+    are both rebuilt for the interpreter (a kernel of one kind cannot call a helper of the
+    other)."""
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in ("_paged_attention_kernel", "_tile_update"):
+        monkeypatch.setattr(attn_mod, name, JITFunction(getattr(attn_mod, name).fn))
+    x = build(LAYOUTS["ragged-3-seqs"](16), 16, 4, 2, 16, torch.float32, seed=6)
+    got = K.paged_partial_attention(*x.args(), 0.3)  # CPU tensors: only the interpreter runs
+    assert_attention_close(got, naive.paged_partial_attention(*x.args(), 0.3), torch.float32)

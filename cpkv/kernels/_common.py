@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -98,8 +99,30 @@ def for_current_mode(kernel: Any) -> Any:
         return kernel
     key = (kernel.fn, want_interp)
     if key not in _rebuilt_kernels:
-        _rebuilt_kernels[key] = (InterpretedFunction if want_interp else JITFunction)(kernel.fn)
+        _rebuilt_kernels[key] = (InterpretedFunction if want_interp else JITFunction)(
+            _with_helpers_for_current_mode(kernel.fn)
+        )
     return _rebuilt_kernels[key]
+
+
+def _with_helpers_for_current_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` calling its ``@triton.jit`` helpers built for the current mode too.
+
+    A kernel finds its helpers in its module's globals, built in the import-time mode; a kernel
+    of one kind cannot call a helper of the other, so the rebuilt kernel gets a copy of those
+    globals with its helpers rebuilt (the module's own are left as they are).
+    """
+    scope = fn.__globals__
+    helpers = {
+        name: for_current_mode(scope[name])
+        for name in fn.__code__.co_names
+        if isinstance(scope.get(name), (InterpretedFunction, JITFunction))
+    }
+    if all(helper is scope[name] for name, helper in helpers.items()):
+        return fn
+    return types.FunctionType(
+        fn.__code__, {**scope, **helpers}, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
 
 def next_power_of_2(n: int) -> int:

@@ -105,6 +105,86 @@ def config_for(dtype: torch.dtype, head_dim: int, group: int, max_q_len: int | N
 if HAS_TRITON:
 
     @triton.jit
+    def _tile_update(
+        acc,  # [BLOCK_M, BLOCK_D] fp32 output so far, unnormalised
+        l_i,  # [BLOCK_M] fp32 sum of exp2 so far
+        m_i,  # [BLOCK_M] fp32 running max of the scaled scores (exp2 domain)
+        q,  # [BLOCK_M, BLOCK_D] the program's queries
+        q_pos,  # [BLOCK_M] their positions (read with MASK only)
+        row0,  # the tile's first key row: row -> page row // PAGE_SIZE, slot row % PAGE_SIZE
+        row_hi,  # end of the key rows (read with MASK only)
+        qk_scale,
+        page_table_ptr,
+        page_pos_ptr,
+        page_len_ptr,
+        k_ptr,
+        v_ptr,
+        kv_base,  # [BLOCK_D] offsets of the program's KV head's dims within a slot
+        d_ok,  # [BLOCK_D] dims < HEAD_DIM
+        MASK: tl.constexpr,  # False: full pages every query sees (no row/length/position mask)
+        PAGE_SIZE: tl.constexpr,
+        KV_ROW: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        # One BLOCK_N-row key tile of the online softmax; returns (acc, l_i, m_i) updated. Both
+        # key loops of the kernel call it; the constexpr branches leave each loop the exact
+        # body it would have written out.
+        rows = row0 + tl.arange(0, BLOCK_N)
+        if MASK:
+            in_range = rows < row_hi
+            pidx = rows // PAGE_SIZE
+            page = tl.load(page_table_ptr + pidx, mask=in_range, other=0).to(tl.int64)
+            ppos = tl.load(page_pos_ptr + pidx, mask=in_range, other=0)
+            plen = tl.load(page_len_ptr + pidx, mask=in_range, other=0)
+            s = rows % PAGE_SIZE
+            # NOTE: slots past a page's length may hold anything (NaN included): never read.
+            valid = in_range & (s < plen)
+            kv_off = ((page * PAGE_SIZE + s) * KV_ROW)[:, None] + kv_base[None, :]
+            kv_mask = valid[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        else:
+            page = tl.load(page_table_ptr + rows // PAGE_SIZE).to(tl.int64)
+            slot = (page * PAGE_SIZE + rows % PAGE_SIZE) * KV_ROW
+            kv_off = slot[:, None] + kv_base[None, :]
+            if BLOCK_D == HEAD_DIM:  # no mask at all: plain (pipelined) row copies
+                k = tl.load(k_ptr + kv_off)
+            else:
+                k = tl.load(k_ptr + kv_off, mask=d_ok[None, :])
+        if UPCAST:
+            k = k.to(tl.float32)
+        if MASK:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = valid[None, :] & ((ppos + s)[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen nothing yet keeps m = -inf; shift it by 0 so exp2 gives 0s.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+        else:
+            # Every score is finite here: scale the row max, not each score (one FMA each).
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK:
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            v = tl.load(v_ptr + kv_off)
+        else:
+            v = tl.load(v_ptr + kv_off, mask=d_ok[None, :])
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        return acc, l_i, m_new
+
+    @triton.jit
     def _paged_attention_kernel(
         q_ptr,  # [Tq, Hq, D], unit stride on D
         q_pos_ptr,  # [Tq] int64
@@ -209,61 +289,19 @@ if HAS_TRITON:
         # NOTE: rows in [row_lo, row_full) are slots of full pages every query here sees: no
         # row, length or position mask, and the running max is finite after the first tile.
         for row0 in range(row_lo, row_full, BLOCK_N):
-            rows = row0 + tl.arange(0, BLOCK_N)
-            page = tl.load(page_table_ptr + rows // PAGE_SIZE).to(tl.int64)
-            slot = (page * PAGE_SIZE + rows % PAGE_SIZE) * KV_ROW
-            kv_off = slot[:, None] + kv_base[None, :]
-            if BLOCK_D == HEAD_DIM:  # no mask at all: plain (pipelined) row copies
-                k = tl.load(k_ptr + kv_off)
-            else:
-                k = tl.load(k_ptr + kv_off, mask=d_ok[None, :])
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if BLOCK_D == HEAD_DIM:
-                v = tl.load(v_ptr + kv_off)
-            else:
-                v = tl.load(v_ptr + kv_off, mask=d_ok[None, :])
-            if UPCAST:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
-
+            acc, l_i, m_i = _tile_update(
+                acc, l_i, m_i, q, q_pos, row0, row_hi, qk_scale,
+                page_table_ptr, page_pos_ptr, page_len_ptr, k_ptr, v_ptr, kv_base, d_ok,
+                MASK=False, PAGE_SIZE=PAGE_SIZE, KV_ROW=KV_ROW, HEAD_DIM=HEAD_DIM,
+                BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST,
+            )  # fmt: skip
         for row0 in range(row_full, row_hi, BLOCK_N):
-            rows = row0 + tl.arange(0, BLOCK_N)
-            in_range = rows < row_hi
-            pidx = rows // PAGE_SIZE
-            page = tl.load(page_table_ptr + pidx, mask=in_range, other=0).to(tl.int64)
-            ppos = tl.load(page_pos_ptr + pidx, mask=in_range, other=0)
-            plen = tl.load(page_len_ptr + pidx, mask=in_range, other=0)
-            s = rows % PAGE_SIZE
-            # NOTE: slots past a page's length may hold anything (NaN included): never read.
-            valid = in_range & (s < plen)
-            kv_off = ((page * PAGE_SIZE + s) * KV_ROW)[:, None] + kv_base[None, :]
-            kv_mask = valid[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            visible = valid[None, :] & ((ppos + s)[None, :] <= q_pos[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A row that has seen nothing yet keeps m = -inf; shift it by 0 so exp2 gives 0s.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
+            acc, l_i, m_i = _tile_update(
+                acc, l_i, m_i, q, q_pos, row0, row_hi, qk_scale,
+                page_table_ptr, page_pos_ptr, page_len_ptr, k_ptr, v_ptr, kv_base, d_ok,
+                MASK=True, PAGE_SIZE=PAGE_SIZE, KV_ROW=KV_ROW, HEAD_DIM=HEAD_DIM,
+                BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST,
+            )  # fmt: skip
 
         seen = l_i > 0.0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
