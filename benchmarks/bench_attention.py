@@ -28,8 +28,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from cpkv.kernels import PagedKVTable
 
 try:
     import triton
@@ -96,10 +100,7 @@ class Lane:
     cu_q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    page_table: torch.Tensor
-    page_pos: torch.Tensor
-    page_len: torch.Tensor
-    cu_pages: torch.Tensor
+    pages: PagedKVTable
     pairs: int  # (query, key) pairs that see each other
     head_dim: int
 
@@ -110,10 +111,7 @@ class Lane:
             self.cu_q,
             self.k,
             self.v,
-            self.page_table,
-            self.page_pos,
-            self.page_len,
-            self.cu_pages,
+            self.pages,
             self.head_dim**-0.5,
             max_q_len=self.q.shape[0],
             **kwargs,
@@ -125,6 +123,8 @@ def make_lane(
 ) -> Lane:
     """A lane holding the given page numbers (position ``n * page``) of the sequence, in that
     order, at local ids 0..n-1."""
+    from cpkv.kernels import PagedKVTable
+
     t = q.shape[0]
     n = len(pages)
     idx = torch.tensor(pages, device=DEVICE, dtype=torch.int64)
@@ -139,10 +139,12 @@ def make_lane(
         torch.tensor([0, t], device=DEVICE, dtype=torch.int32),
         k,
         v,
-        torch.arange(n, device=DEVICE, dtype=torch.int32),
-        idx * page,
-        torch.full((n,), page, device=DEVICE, dtype=torch.int32),
-        torch.tensor([0, n], device=DEVICE, dtype=torch.int32),
+        PagedKVTable(
+            torch.arange(n, device=DEVICE, dtype=torch.int32),
+            idx * page,
+            torch.full((n,), page, device=DEVICE, dtype=torch.int32),
+            torch.tensor([0, n], device=DEVICE, dtype=torch.int32),
+        ),
         pairs,
         q.shape[2],
     )
@@ -297,10 +299,7 @@ def bench_split_ablation(tab: Table, K, t: int, head_dim: int, one_lane_ms: floa
                     torch.tensor([0, n], device=DEVICE, dtype=torch.int32),
                     full.k,
                     full.v,
-                    full.page_table,
-                    full.page_pos,
-                    full.page_len,
-                    full.cu_pages,
+                    full.pages,
                     0,
                     head_dim,
                 )

@@ -203,7 +203,7 @@ def _write_set(K, naive, bs: int, length: int, seed: int):
     def prep() -> torch.Tensor:
         return torch.cumsum(torch.stack((pre, seq)), dim=1)
 
-    wrt = importlib.import_module("cpkv.kernels.write_req_to_token")
+    wrt = importlib.import_module("cpkv.kernels.req_to_token.write_req_to_token")
     cum = prep()
 
     def kernel_only() -> None:
@@ -323,9 +323,9 @@ def bench_kv(b: Bench, K, naive, with_baseline: bool = True) -> None:
         b.add("gather_kv", case, nbytes, [gather], select_base)
 
 
-def sweep(b: Bench, K, naive) -> None:
+def sweep(b: Bench, K, naive, RT, rt_naive) -> None:
     """Try tuning constants; one row per setting (module constants patched, then restored)."""
-    wrt = importlib.import_module("cpkv.kernels.write_req_to_token")
+    wrt = importlib.import_module("cpkv.kernels.req_to_token.write_req_to_token")
     store = importlib.import_module("cpkv.kernels.store_kv")
     gather = importlib.import_module("cpkv.kernels.gather_kv")
     names = ("BLOCK", "TILE_ELEMS", "NUM_WARPS")
@@ -336,7 +336,7 @@ def sweep(b: Bench, K, naive) -> None:
             for warps in (4, 8):
                 wrt.BLOCK, wrt.NUM_WARPS = block, warps
                 before = len(b.rows)
-                bench_write_req_to_token(b, K, naive, with_baseline=False)
+                bench_write_req_to_token(b, RT, rt_naive, with_baseline=False)
                 for row in b.rows[before:]:
                     row.kernel += f" [BLOCK={block} w={warps}]"
         for tile in (2048, 4096, 8192, 16384):
@@ -380,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import cpkv.kernels as K
+    import cpkv.kernels.req_to_token as RT
     from cpkv.kernels import naive
+    from cpkv.kernels.req_to_token import naive as rt_naive
 
     meta = {
         "gpu": torch.cuda.get_device_name(),
@@ -392,12 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     b = Bench()
     print(f"device copy (dst.copy_(src), {COPY_BYTES >> 30} GiB): {b.copy_gbps:.0f} GB/s")
     print(f"L2 {torch.cuda.get_device_properties(0).L2_cache_size >> 20} MiB")
-    bench_write_req_to_token(b, K, naive)
-    bench_get_last_loc(b, K, naive)
-    bench_alloc_extend_slots(b, K, naive)
+    bench_write_req_to_token(b, RT, rt_naive)
+    bench_get_last_loc(b, RT, rt_naive)
+    bench_alloc_extend_slots(b, RT, rt_naive)
     bench_kv(b, K, naive)
     if args.sweep:
-        sweep(b, K, naive)
+        sweep(b, K, naive, RT, rt_naive)
     print_table(b)
     if args.json:
         payload = {**meta, "copy_gbps": b.copy_gbps, "rows": [asdict(r) for r in b.rows]}

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 import importlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import pytest
 import torch.nn.functional as F
@@ -135,21 +135,13 @@ class Inputs:
     page_len: torch.Tensor
     cu_pages: torch.Tensor
 
-    def args(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self.q,
-            self.q_pos,
-            self.cu_q,
-            self.k,
-            self.v,
-            self.page_table,
-            self.page_pos,
-            self.page_len,
-            self.cu_pages,
-        )
+    def args(self) -> tuple[torch.Tensor | K.PagedKVTable, ...]:
+        """The launcher's positional arguments before ``sm_scale``."""
+        pages = K.PagedKVTable(self.page_table, self.page_pos, self.page_len, self.cu_pages)
+        return (self.q, self.q_pos, self.cu_q, self.k, self.v, pages)
 
     def to(self, device: torch.device) -> Inputs:
-        return Inputs(*(t.to(device) for t in self.args()))
+        return Inputs(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def build(
@@ -565,7 +557,7 @@ def _call(**changes) -> Callable[[], object]:
                     "page_len",
                     "cu_pages",
                 ),
-                x.args(),
+                (getattr(x, f.name) for f in fields(x)),
                 strict=True,
             )
         )
@@ -575,7 +567,8 @@ def _call(**changes) -> Callable[[], object]:
                 kwargs[name] = value
             else:
                 args[name] = value(args[name]) if callable(value) else value
-        return K.paged_partial_attention(**args, **kwargs)
+        table = [args.pop(n) for n in ("page_table", "page_pos", "page_len", "cu_pages")]
+        return K.paged_partial_attention(**args, pages=K.PagedKVTable(*table), **kwargs)
 
     return call
 
@@ -729,3 +722,17 @@ def test_fallback_uses_reference_and_logs_once(monkeypatch, caplog, reason, name
     records = [r for r in caplog.records if r.name == "cpkv.kernels"]
     assert len(records) == 1, [r.getMessage() for r in records]
     assert name in records[0].getMessage() and expected_reason in records[0].getMessage()
+
+
+def test_kernel_built_compiled_is_rebuilt_with_its_helper(monkeypatch):
+    """TRITON_INTERPRET set after import: the kernel and the @triton.jit tile update it calls
+    are both rebuilt for the interpreter (a kernel of one kind cannot call a helper of the
+    other)."""
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in ("_paged_attention_kernel", "_tile_update"):
+        monkeypatch.setattr(attn_mod, name, JITFunction(getattr(attn_mod, name).fn))
+    x = build(LAYOUTS["ragged-3-seqs"](16), 16, 4, 2, 16, torch.float32, seed=6)
+    got = K.paged_partial_attention(*x.args(), 0.3)  # CPU tensors: only the interpreter runs
+    assert_attention_close(got, naive.paged_partial_attention(*x.args(), 0.3), torch.float32)

@@ -1,4 +1,5 @@
-"""Kernels vs their torch references (cpkv.kernels.naive), validation, fallback.
+"""Kernels vs their torch references (cpkv.kernels.naive, cpkv.kernels.req_to_token.naive),
+validation, fallback.
 
 Without a GPU the Triton kernels run under TRITON_INTERPRET=1 on small CPU tensors; with one
 they run compiled on CUDA tensors, and extra larger cases join the parametrisations.
@@ -22,11 +23,14 @@ from collections.abc import Callable
 import pytest
 
 import cpkv.kernels as K
+import cpkv.kernels.req_to_token as RT
 from cpkv.kernels import _common, naive
+from cpkv.kernels.req_to_token import _common as rt_common
+from cpkv.kernels.req_to_token import naive as rt_naive
 
 # Submodules by path: the package re-exports functions under the same names.
-wrt_mod = importlib.import_module("cpkv.kernels.write_req_to_token")
-alloc_mod = importlib.import_module("cpkv.kernels.alloc_extend_slots")
+wrt_mod = importlib.import_module("cpkv.kernels.req_to_token.write_req_to_token")
+alloc_mod = importlib.import_module("cpkv.kernels.req_to_token.alloc_extend_slots")
 store_mod = importlib.import_module("cpkv.kernels.store_kv")
 gather_mod = importlib.import_module("cpkv.kernels.gather_kv")
 
@@ -124,7 +128,7 @@ def test_write_req_to_token_matches_reference(pre, seq, table_dtype, with_prefix
     plocs = plocs if with_prefix else None
     expected = _wrt_loop(table, rows, pre_t, seq_t, out, plocs)
     ref = table.clone()
-    naive.write_req_to_token(ref, rows, pre_t, seq_t, out, plocs)
+    rt_naive.write_req_to_token(ref, rows, pre_t, seq_t, out, plocs)
     assert torch.equal(ref, expected)
 
     got = dev(table)
@@ -132,7 +136,7 @@ def test_write_req_to_token_matches_reference(pre, seq, table_dtype, with_prefix
     if hints:  # over-estimates are allowed: they only add idle programs
         ext = [s - p for p, s in zip(pre, seq, strict=True)]
         kwargs = {"max_extend_len": max([*ext, 0]) + 3, "max_prefix_len": max([*pre, 0]) + 1}
-    K.write_req_to_token(
+    RT.write_req_to_token(
         got,
         dev(rows),
         dev(pre_t),
@@ -162,7 +166,7 @@ def test_write_req_to_token_launches_many_programs_per_request(monkeypatch):
     recorder = _GridRecorder(wrt_mod._write_req_to_token_kernel)
     monkeypatch.setattr(wrt_mod, "_write_req_to_token_kernel", recorder)
     got = dev(table)
-    K.write_req_to_token(got, dev(rows), dev(pre_t), dev(seq_t), dev(out))
+    RT.write_req_to_token(got, dev(rows), dev(pre_t), dev(seq_t), dev(out))
     # (blocks of the longest extend, requests): 4 programs for the first request alone.
     assert recorder.grids == [(4, 2)]
     assert torch.equal(got.cpu(), _wrt_loop(table, rows, pre_t, seq_t, out, None))
@@ -170,18 +174,18 @@ def test_write_req_to_token_launches_many_programs_per_request(monkeypatch):
 
 def test_requests_beyond_grid_limit_launch_in_chunks(monkeypatch):
     # CUDA caps grid axis 1 at 65535 requests; shrink the cap to see the chunked launches.
-    monkeypatch.setattr(_common, "MAX_GRID_Y", 3)
+    monkeypatch.setattr(rt_common, "MAX_GRID_Y", 3)
     pre, seq = random_lens(8, 40, seed=14)
     table, rows, pre_t, seq_t, out, plocs = _wrt_inputs(pre, seq, 14, torch.int64)
     recorder = _GridRecorder(wrt_mod._write_req_to_token_kernel)
     monkeypatch.setattr(wrt_mod, "_write_req_to_token_kernel", recorder)
     got = dev(table)
-    K.write_req_to_token(got, dev(rows), dev(pre_t), dev(seq_t), dev(out), dev(plocs))
+    RT.write_req_to_token(got, dev(rows), dev(pre_t), dev(seq_t), dev(out), dev(plocs))
     assert [grid[1] for grid in recorder.grids] == [3, 3, 2]
     assert torch.equal(got.cpu(), _wrt_loop(table, rows, pre_t, seq_t, out, plocs))
 
     last_loc, new_pages = _alloc_inputs(pre, seq, 5, seed=15)
-    slots = K.alloc_extend_slots(dev(pre_t), dev(seq_t), dev(last_loc), dev(new_pages), 5)
+    slots = RT.alloc_extend_slots(dev(pre_t), dev(seq_t), dev(last_loc), dev(new_pages), 5)
     assert torch.equal(slots.cpu(), _alloc_loop(pre, seq, last_loc, new_pages, 5))
 
 
@@ -211,8 +215,8 @@ def test_get_last_loc_matches_reference(pre, table_dtype):
         [int(table[r, p - 1]) if p > 0 else -1 for r, p in zip(rows.tolist(), pre, strict=True)],
         dtype=torch.int64,
     )
-    assert torch.equal(naive.get_last_loc(table, rows, pre_t), expected)
-    got = K.get_last_loc(dev(table), dev(rows), dev(pre_t))
+    assert torch.equal(rt_naive.get_last_loc(table, rows, pre_t), expected)
+    got = RT.get_last_loc(dev(table), dev(rows), dev(pre_t))
     assert got.dtype == torch.int64 and got.device.type == DEVICE.type
     assert torch.equal(got.cpu(), expected)
 
@@ -273,13 +277,13 @@ def test_alloc_extend_slots_matches_reference(pre, seq, page_size, hints):
     last_loc, new_pages = _alloc_inputs(pre, seq, page_size, seed=len(pre) + page_size)
     pre_t, seq_t = _i64(*pre), _i64(*seq)
     expected = _alloc_loop(pre, seq, last_loc, new_pages, page_size)
-    ref = naive.alloc_extend_slots(pre_t, seq_t, last_loc, new_pages, page_size)
+    ref = rt_naive.alloc_extend_slots(pre_t, seq_t, last_loc, new_pages, page_size)
     assert torch.equal(ref, expected)
     kwargs = {}
     if hints:
         ext = [s - p for p, s in zip(pre, seq, strict=True)]
         kwargs = {"extend_num_tokens": sum(ext), "max_extend_len": max([*ext, 0]) + 2}
-    got = K.alloc_extend_slots(
+    got = RT.alloc_extend_slots(
         dev(pre_t), dev(seq_t), dev(last_loc), dev(new_pages), page_size, **kwargs
     )
     assert got.dtype == torch.int64
@@ -413,126 +417,126 @@ BAD_CALLS: list[tuple[str, Callable[[], object], str]] = [
     # write_req_to_token
     (
         "wrt-1d-table",
-        lambda: K.write_req_to_token(
+        lambda: RT.write_req_to_token(
             torch.zeros(8, dtype=torch.int64), _i64(0), _i64(0), _i64(2), _i64(1, 2)
         ),
         "req_to_token must be 2-D, got shape (8,)",
     ),
     (
         "wrt-float-table",
-        lambda: K.write_req_to_token(
+        lambda: RT.write_req_to_token(
             _table(dtype=torch.float32), _i64(0), _i64(0), _i64(2), _i64(1, 2)
         ),
         "req_to_token has dtype torch.float32",
     ),
     (
         "wrt-strided-table",
-        lambda: K.write_req_to_token(_table()[:, ::2], _i64(0), _i64(0), _i64(2), _i64(1, 2)),
+        lambda: RT.write_req_to_token(_table()[:, ::2], _i64(0), _i64(0), _i64(2), _i64(1, 2)),
         "req_to_token rows must be contiguous, got shape (4, 8) with strides (16, 2)",
     ),
     (
         "wrt-len-mismatch",
-        lambda: K.write_req_to_token(_table(), _i64(0, 1), _i64(0), _i64(2), _i64(1, 2)),
+        lambda: RT.write_req_to_token(_table(), _i64(0, 1), _i64(0), _i64(2), _i64(1, 2)),
         "req_pool_indices has shape (2,), prefix_lens has shape (1,)",
     ),
     (
         "wrt-int32-slots",
-        lambda: K.write_req_to_token(
+        lambda: RT.write_req_to_token(
             _table(), _i64(0), _i64(0), _i64(2), torch.tensor([1, 2], dtype=torch.int32)
         ),
         "out_cache_loc has dtype torch.int32",
     ),
     (
         "wrt-float-lens",
-        lambda: K.write_req_to_token(_table(), _i64(0), _i64(0), torch.tensor([2.0]), _i64(1, 2)),
+        lambda: RT.write_req_to_token(_table(), _i64(0), _i64(0), torch.tensor([2.0]), _i64(1, 2)),
         "seq_lens has dtype torch.float32",
     ),
     (
         "wrt-strided-slots",
-        lambda: K.write_req_to_token(_table(), _i64(0), _i64(0), _i64(2), _i64(1, 9, 2)[::2]),
+        lambda: RT.write_req_to_token(_table(), _i64(0), _i64(0), _i64(2), _i64(1, 9, 2)[::2]),
         "out_cache_loc must be contiguous",
     ),
     (
         "wrt-count-mismatch",
-        lambda: K.write_req_to_token(_table(), _i64(0), _i64(1), _i64(7), _i64(1, 2)),
+        lambda: RT.write_req_to_token(_table(), _i64(0), _i64(1), _i64(7), _i64(1, 2)),
         "out_cache_loc has 2 elements but extend lengths sum to 6",
     ),
     (
         "wrt-prefix-count-mismatch",
-        lambda: K.write_req_to_token(_table(), _i64(0), _i64(3), _i64(4), _i64(1), _i64(5)),
+        lambda: RT.write_req_to_token(_table(), _i64(0), _i64(3), _i64(4), _i64(1), _i64(5)),
         "prefix_locs has 1 elements but prefix_lens sum to 3",
     ),
     (
         "wrt-seq-below-prefix",
-        lambda: K.write_req_to_token(_table(), _i64(0), _i64(5), _i64(3), _i64()),
+        lambda: RT.write_req_to_token(_table(), _i64(0), _i64(5), _i64(3), _i64()),
         "seq_lens [3] < prefix_lens [5]",
     ),
     (
         "wrt-negative-hint",
-        lambda: K.write_req_to_token(
+        lambda: RT.write_req_to_token(
             _table(), _i64(0), _i64(0), _i64(2), _i64(1, 2), max_extend_len=-1
         ),
         "max_extend_len must be a non-negative int or None, got -1",
     ),
     (
         "wrt-device-mismatch",
-        lambda: K.write_req_to_token(
+        lambda: RT.write_req_to_token(
             _table(), _i64(0), _i64(0), _i64(2), torch.zeros(2, dtype=torch.int64, device="meta")
         ),
         "out_cache_loc on meta",
     ),
     (
         "wrt-not-a-tensor",
-        lambda: K.write_req_to_token(_table(), [0], _i64(0), _i64(2), _i64(1, 2)),
+        lambda: RT.write_req_to_token(_table(), [0], _i64(0), _i64(2), _i64(1, 2)),
         "req_pool_indices must be a torch.Tensor, got list",
     ),
     # get_last_loc
     (
         "last-3d-table",
-        lambda: K.get_last_loc(torch.zeros(2, 2, 2, dtype=torch.int64), _i64(0), _i64(1)),
+        lambda: RT.get_last_loc(torch.zeros(2, 2, 2, dtype=torch.int64), _i64(0), _i64(1)),
         "req_to_token must be 2-D, got shape (2, 2, 2)",
     ),
     (
         "last-len-mismatch",
-        lambda: K.get_last_loc(_table(), _i64(0, 1, 2), _i64(1)),
+        lambda: RT.get_last_loc(_table(), _i64(0, 1, 2), _i64(1)),
         "req_pool_indices has shape (3,), prefix_lens has shape (1,)",
     ),
     (
         "last-2d-lens",
-        lambda: K.get_last_loc(_table(), _i64(0), _i64(1).view(1, 1)),
+        lambda: RT.get_last_loc(_table(), _i64(0), _i64(1).view(1, 1)),
         "prefix_lens must be 1-D, got shape (1, 1)",
     ),
     # alloc_extend_slots
     (
         "alloc-page-size-0",
-        lambda: K.alloc_extend_slots(_i64(0), _i64(4), _i64(-1), _i64(1), 0),
+        lambda: RT.alloc_extend_slots(_i64(0), _i64(4), _i64(-1), _i64(1), 0),
         "page_size must be an int >= 1, got 0",
     ),
     (
         "alloc-page-size-float",
-        lambda: K.alloc_extend_slots(_i64(0), _i64(4), _i64(-1), _i64(1), 4.0),
+        lambda: RT.alloc_extend_slots(_i64(0), _i64(4), _i64(-1), _i64(1), 4.0),
         "page_size must be an int >= 1, got 4.0",
     ),
     (
         "alloc-page-count",
-        lambda: K.alloc_extend_slots(_i64(0), _i64(9), _i64(-1), _i64(1, 2), 4),
+        lambda: RT.alloc_extend_slots(_i64(0), _i64(9), _i64(-1), _i64(1, 2), 4),
         "new_pages has 2 elements but new page counts sum to 3",
     ),
     (
         "alloc-token-count",
-        lambda: K.alloc_extend_slots(
+        lambda: RT.alloc_extend_slots(
             _i64(0), _i64(9), _i64(-1), _i64(1, 2, 3), 4, extend_num_tokens=8
         ),
         "extend_num_tokens=8 but extend lengths sum to 9",
     ),
     (
         "alloc-len-mismatch",
-        lambda: K.alloc_extend_slots(_i64(0, 0), _i64(4), _i64(-1), _i64(1), 4),
+        lambda: RT.alloc_extend_slots(_i64(0, 0), _i64(4), _i64(-1), _i64(1), 4),
         "prefix_lens has shape (2,), seq_lens has shape (1,)",
     ),
     (
         "alloc-float-pages",
-        lambda: K.alloc_extend_slots(_i64(0), _i64(4), _i64(-1), torch.tensor([1.0]), 4),
+        lambda: RT.alloc_extend_slots(_i64(0), _i64(4), _i64(-1), torch.tensor([1.0]), 4),
         "new_pages has dtype torch.float32",
     ),
     # store_kv
@@ -630,7 +634,7 @@ def test_bad_input_raises_value_error(call, message):
 def test_bad_input_leaves_outputs_unchanged():
     table = _table()
     with pytest.raises(ValueError):
-        K.write_req_to_token(table, _i64(0), _i64(0), _i64(3), _i64(1, 2))
+        RT.write_req_to_token(table, _i64(0), _i64(0), _i64(3), _i64(1, 2))
     assert int(table.abs().sum()) == 0
 
 
@@ -641,14 +645,14 @@ def test_bad_input_leaves_outputs_unchanged():
 
 def test_empty_inputs_do_nothing():
     table = dev(torch.full((2, 4), SENTINEL))
-    K.write_req_to_token(table, lens([]), lens([]), lens([]), lens([]), lens([]))
-    K.write_req_to_token(table, lens([0, 1]), lens([2, 0]), lens([2, 0]), lens([]))
+    RT.write_req_to_token(table, lens([]), lens([]), lens([]), lens([]), lens([]))
+    RT.write_req_to_token(table, lens([0, 1]), lens([2, 0]), lens([2, 0]), lens([]))
     assert bool((table == SENTINEL).all())
     # Empty extends with prefixes: only the prefix slots land.
-    K.write_req_to_token(table, lens([0, 1]), lens([2, 0]), lens([2, 0]), lens([]), lens([1, 2]))
+    RT.write_req_to_token(table, lens([0, 1]), lens([2, 0]), lens([2, 0]), lens([]), lens([1, 2]))
     assert torch.equal(table.cpu(), torch.tensor([[1, 2, -7, -7], [-7, -7, -7, -7]]))
-    assert K.alloc_extend_slots(lens([4]), lens([4]), lens([3]), lens([]), 4).numel() == 0
-    assert K.get_last_loc(table, lens([]), lens([])).shape == (0,)
+    assert RT.alloc_extend_slots(lens([4]), lens([4]), lens([3]), lens([]), 4).numel() == 0
+    assert RT.get_last_loc(table, lens([]), lens([])).shape == (0,)
     shard = dev(torch.ones(2, 4, 2, 8))
     K.store_kv(dev(_kv(t=0)), dev(_kv(t=0)), shard, shard.clone(), lens([]))
     assert bool((shard == 1).all())
@@ -678,18 +682,18 @@ def _fallback_calls() -> list[tuple[str, Callable[[], object], Callable[[], obje
     return [
         (
             "write_req_to_token",
-            lambda: wrt(K.write_req_to_token),
-            lambda: wrt(naive.write_req_to_token),
+            lambda: wrt(RT.write_req_to_token),
+            lambda: wrt(rt_naive.write_req_to_token),
         ),
         (
             "get_last_loc",
-            lambda: K.get_last_loc(table, _i64(1, 2), _i64(0, 5)),
-            lambda: naive.get_last_loc(table, _i64(1, 2), _i64(0, 5)),
+            lambda: RT.get_last_loc(table, _i64(1, 2), _i64(0, 5)),
+            lambda: rt_naive.get_last_loc(table, _i64(1, 2), _i64(0, 5)),
         ),
         (
             "alloc_extend_slots",
-            lambda: K.alloc_extend_slots(*alloc_args),
-            lambda: naive.alloc_extend_slots(*alloc_args),
+            lambda: RT.alloc_extend_slots(*alloc_args),
+            lambda: rt_naive.alloc_extend_slots(*alloc_args),
         ),
         ("store_kv", lambda: store(K.store_kv), lambda: store(naive.store_kv)),
         (

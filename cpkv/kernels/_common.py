@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+import types
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -28,10 +29,6 @@ except Exception as exc:  # any failure (missing wheel, broken driver libs) mean
     InterpretedFunction = JITFunction = None  # type: ignore[assignment,misc]
     HAS_TRITON = False
     _TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-
-# NOTE: CUDA caps grid axes 1 and 2 at 65535 programs; launchers that put requests on axis 1
-# launch in chunks of at most this many requests.
-MAX_GRID_Y = 65535
 
 # Kernel names whose fallback was already logged (log once per kernel, not per call).
 _fallback_logged: set[str] = set()
@@ -102,25 +99,30 @@ def for_current_mode(kernel: Any) -> Any:
         return kernel
     key = (kernel.fn, want_interp)
     if key not in _rebuilt_kernels:
-        _rebuilt_kernels[key] = (InterpretedFunction if want_interp else JITFunction)(kernel.fn)
+        _rebuilt_kernels[key] = (InterpretedFunction if want_interp else JITFunction)(
+            _with_helpers_for_current_mode(kernel.fn)
+        )
     return _rebuilt_kernels[key]
 
 
-def request_chunks(
-    bs: int, *per_request: torch.Tensor
-) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
-    """Split per-request tensors (requests on the last dim) into launches of <= MAX_GRID_Y.
+def _with_helpers_for_current_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` calling its ``@triton.jit`` helpers built for the current mode too.
 
-    Yields:
-        (requests in the chunk, the tensors sliced to it); the common single chunk is the
-        tensors themselves, so the hot path pays for no slicing.
+    A kernel finds its helpers in its module's globals, built in the import-time mode; a kernel
+    of one kind cannot call a helper of the other, so the rebuilt kernel gets a copy of those
+    globals with its helpers rebuilt (the module's own are left as they are).
     """
-    if bs <= MAX_GRID_Y:
-        yield bs, per_request
-        return
-    for r0 in range(0, bs, MAX_GRID_Y):
-        r1 = min(bs, r0 + MAX_GRID_Y)
-        yield r1 - r0, tuple(t[..., r0:r1] for t in per_request)
+    scope = fn.__globals__
+    helpers = {
+        name: for_current_mode(scope[name])
+        for name in fn.__code__.co_names
+        if isinstance(scope.get(name), (InterpretedFunction, JITFunction))
+    }
+    if all(helper is scope[name] for name, helper in helpers.items()):
+        return fn
+    return types.FunctionType(
+        fn.__code__, {**scope, **helpers}, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
 
 def next_power_of_2(n: int) -> int:
@@ -177,21 +179,6 @@ def check_tensor(
     return t
 
 
-def check_table(kernel: str, req_to_token: object) -> torch.Tensor:
-    """Check a ``req_to_token`` table: 2-D, int32/int64, rows with unit column stride.
-
-    Raises:
-        ValueError: naming the offending shape, dtype or strides.
-    """
-    t = check_tensor(kernel, "req_to_token", req_to_token, ndim=2, dtypes=INT_DTYPES)
-    if t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(
-            f"{kernel}: req_to_token rows must be contiguous, got shape {tuple(t.shape)} "
-            f"with strides {t.stride()}"
-        )
-    return t
-
-
 def check_same_device(kernel: str, **tensors: torch.Tensor | None) -> torch.device:
     """Check that all given (non-None) tensors share one device; return it.
 
@@ -204,19 +191,6 @@ def check_same_device(kernel: str, **tensors: torch.Tensor | None) -> torch.devi
         listing = ", ".join(f"{name} on {t.device}" for name, t in present.items())
         raise ValueError(f"{kernel}: tensors must share one device, got {listing}")
     return next(iter(devices))
-
-
-def check_same_len(kernel: str, **tensors: torch.Tensor) -> int:
-    """Check that all given 1-D tensors have one length; return it.
-
-    Raises:
-        ValueError: listing each tensor's shape when they differ.
-    """
-    lens = {t.shape[0] for t in tensors.values()}
-    if len(lens) > 1:
-        listing = ", ".join(f"{name} has shape {tuple(t.shape)}" for name, t in tensors.items())
-        raise ValueError(f"{kernel}: per-request tensors must have one length, got {listing}")
-    return next(iter(lens))
 
 
 def check_hint(kernel: str, name: str, value: int | None) -> None:

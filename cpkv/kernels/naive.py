@@ -9,119 +9,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = [
-    "alloc_extend_slots",
-    "gather_kv",
-    "get_last_loc",
-    "merge_attn_states",
-    "paged_partial_attention",
-    "store_kv",
-    "write_req_to_token",
-]
+from cpkv.kernels.page_table import PagedKVTable
 
-
-def _segments(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For segments of ``lens[i]`` items laid end to end: each item's segment and index in it.
-
-    Args:
-        lens: [n] non-negative int lengths.
-
-    Returns:
-        (segment id [sum(lens)] int64, index within its segment [sum(lens)] int64).
-    """
-    lens = lens.to(torch.int64)
-    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
-    starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(seg.numel(), device=lens.device) - starts[seg]
-    return seg, pos
-
-
-def _check_total(kernel: str, name: str, t: torch.Tensor, lens: torch.Tensor, what: str) -> None:
-    total = int(lens.sum())
-    if t.numel() != total:
-        raise ValueError(f"{kernel}: {name} has {t.numel()} elements but {what} sum to {total}")
-
-
-def write_req_to_token(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    out_cache_loc: torch.Tensor,
-    prefix_locs: torch.Tensor | None = None,
-    *,
-    max_extend_len: int | None = None,
-    max_prefix_len: int | None = None,
-) -> None:
-    """Reference for :func:`cpkv.kernels.write_req_to_token` (size hints are ignored)."""
-    del max_extend_len, max_prefix_len  # only the kernel's grid needs them
-    ext_lens = seq_lens.to(torch.int64) - prefix_lens.to(torch.int64)
-    if bool((ext_lens < 0).any()):
-        raise ValueError(
-            f"write_req_to_token: seq_lens {seq_lens.tolist()} < prefix_lens {prefix_lens.tolist()}"
-        )
-    _check_total("write_req_to_token", "out_cache_loc", out_cache_loc, ext_lens, "extend lengths")
-    seg, pos = _segments(ext_lens)
-    rows = req_pool_indices.to(torch.int64)
-    req_to_token[rows[seg], prefix_lens.to(torch.int64)[seg] + pos] = out_cache_loc.to(
-        req_to_token.dtype
-    )
-    if prefix_locs is not None:
-        _check_total("write_req_to_token", "prefix_locs", prefix_locs, prefix_lens, "prefix_lens")
-        seg, pos = _segments(prefix_lens)
-        req_to_token[rows[seg], pos] = prefix_locs.to(req_to_token.dtype)
-
-
-def get_last_loc(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor
-) -> torch.Tensor:
-    """Reference for :func:`cpkv.kernels.get_last_loc`."""
-    prefix_lens = prefix_lens.to(torch.int64)
-    last = req_to_token[req_pool_indices.to(torch.int64), (prefix_lens - 1).clamp(min=0)]
-    return torch.where(prefix_lens > 0, last.to(torch.int64), -1)
-
-
-def alloc_extend_slots(
-    prefix_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    last_loc: torch.Tensor,
-    new_pages: torch.Tensor,
-    page_size: int,
-    *,
-    extend_num_tokens: int | None = None,
-    max_extend_len: int | None = None,
-) -> torch.Tensor:
-    """Reference for :func:`cpkv.kernels.alloc_extend_slots` (``max_extend_len`` is ignored)."""
-    del max_extend_len  # only the kernel's grid needs it
-    prefix_lens = prefix_lens.to(torch.int64)
-    seq_lens = seq_lens.to(torch.int64)
-    ext_lens = seq_lens - prefix_lens
-    if bool((ext_lens < 0).any()):
-        raise ValueError(
-            f"alloc_extend_slots: seq_lens {seq_lens.tolist()} < prefix_lens {prefix_lens.tolist()}"
-        )
-    prefix_pages = -(-prefix_lens // page_size)  # pages the prefix already touches
-    page_counts = -(-seq_lens // page_size) - prefix_pages
-    _check_total("alloc_extend_slots", "new_pages", new_pages, page_counts, "new page counts")
-    total = int(ext_lens.sum())
-    if extend_num_tokens is not None and extend_num_tokens != total:
-        raise ValueError(
-            f"alloc_extend_slots: extend_num_tokens={extend_num_tokens} but extend lengths sum "
-            f"to {total}"
-        )
-    page_starts = torch.cumsum(page_counts, 0) - page_counts
-
-    seg, j = _segments(ext_lens)
-    pos = prefix_lens[seg] + j  # token position in its sequence
-    in_partial_page = pos < prefix_pages[seg] * page_size
-    page_index = (page_starts[seg] + pos // page_size - prefix_pages[seg]).clamp(min=0)
-    if new_pages.numel() == 0:  # every token continues a partial page (or there are none)
-        page = torch.zeros_like(pos)
-    else:
-        page = new_pages.to(torch.int64)[page_index.clamp(max=new_pages.numel() - 1)]
-    return torch.where(
-        in_partial_page, last_loc.to(torch.int64)[seg] + 1 + j, page * page_size + pos % page_size
-    )
+__all__ = ["gather_kv", "merge_attn_states", "paged_partial_attention", "store_kv"]
 
 
 def store_kv(
@@ -158,21 +48,15 @@ def paged_partial_attention(
     cu_q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    page_pos: torch.Tensor,
-    page_len: torch.Tensor,
-    cu_pages: torch.Tensor,
+    pages: PagedKVTable,
     sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`cpkv.kernels.paged_partial_attention`: attention of queries with
     global positions over the pages one lane holds, causal by position, with its log-sum-exp.
 
     Queries and pages are grouped by sequence: sequence ``b`` owns queries
-    ``cu_q[b]:cu_q[b+1]`` and pages ``cu_pages[b]:cu_pages[b+1]`` of ``page_table``. Slot ``j``
-    of page ``i`` holds the key at position ``page_pos[i] + j`` when ``j < page_len[i]``; a
-    query at position ``p`` sees the keys of its own sequence at positions ``<= p``. Pages
-    need not be in position order nor contiguous in positions (zigzag segments, cached
-    prefixes spread over lanes).
+    ``cu_q[b]:cu_q[b+1]`` and its pages of ``pages`` (see :class:`PagedKVTable`); a query at
+    position ``p`` sees the keys of its own sequence at positions ``<= p``.
 
     Args:
         q: ``[Tq, Hq, D]`` queries (fp16/bf16/fp32).
@@ -180,10 +64,7 @@ def paged_partial_attention(
         cu_q: ``int32/int64 [B + 1]`` query offsets per sequence (non-decreasing, from 0).
         k_cache, v_cache: ``[P, page_size, Hkv, D]`` the lane's shard; ``Hq % Hkv == 0`` (GQA:
             query head ``h`` reads KV head ``h // (Hq // Hkv)``).
-        page_table: ``int32 [N]`` local page ids, grouped by sequence.
-        page_pos: ``int64 [N]`` global position of each page's slot 0.
-        page_len: ``int32 [N]`` valid slots of each page, in ``[0, page_size]``.
-        cu_pages: ``int32/int64 [B + 1]`` page offsets per sequence.
+        pages: the sequences' pages in the shard.
         sm_scale: softmax scale (usually ``D ** -0.5``).
 
     Returns:
@@ -196,18 +77,18 @@ def paged_partial_attention(
     group = hq // hkv
     out = torch.zeros(tq, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((tq, hq), float("-inf"), dtype=torch.float32, device=q.device)
-    cu_q_l, cu_p_l = cu_q.tolist(), cu_pages.tolist()
+    cu_q_l, cu_p_l = cu_q.tolist(), pages.cu_pages.tolist()
     for b in range(len(cu_q_l) - 1):
         q0, q1, p0, p1 = cu_q_l[b], cu_q_l[b + 1], cu_p_l[b], cu_p_l[b + 1]
         if q1 == q0 or p1 == p0:
             continue
-        pages = page_table[p0:p1].to(torch.int64)
+        local = pages.page_table[p0:p1].to(torch.int64)
         # Keys of this sequence on this lane, flattened page by page: [n_pages * ps, Hkv, D].
-        k = k_cache[pages].reshape(-1, hkv, d).float()
-        v = v_cache[pages].reshape(-1, hkv, d).float()
+        k = k_cache[local].reshape(-1, hkv, d).float()
+        v = v_cache[local].reshape(-1, hkv, d).float()
         offs = torch.arange(ps, device=q.device)
-        kpos = (page_pos[p0:p1].to(torch.int64)[:, None] + offs).reshape(-1)
-        kvalid = (offs[None, :] < page_len[p0:p1].to(torch.int64)[:, None]).reshape(-1)
+        kpos = (pages.page_pos[p0:p1].to(torch.int64)[:, None] + offs).reshape(-1)
+        kvalid = (offs[None, :] < pages.page_len[p0:p1].to(torch.int64)[:, None]).reshape(-1)
         # NOTE: slots past a page's length may hold anything (NaN included); p there is 0, but
         # 0 * NaN is NaN, so their values never reach the product.
         v = v.masked_fill(~kvalid[:, None, None], 0.0)

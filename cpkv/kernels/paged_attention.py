@@ -23,6 +23,7 @@ from cpkv.kernels._common import (
     triton,
     use_triton,
 )
+from cpkv.kernels.page_table import PagedKVTable
 
 _NAME = "paged_partial_attention"
 
@@ -102,6 +103,86 @@ def config_for(dtype: torch.dtype, head_dim: int, group: int, max_q_len: int | N
 
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _tile_update(
+        acc,  # [BLOCK_M, BLOCK_D] fp32 output so far, unnormalised
+        l_i,  # [BLOCK_M] fp32 sum of exp2 so far
+        m_i,  # [BLOCK_M] fp32 running max of the scaled scores (exp2 domain)
+        q,  # [BLOCK_M, BLOCK_D] the program's queries
+        q_pos,  # [BLOCK_M] their positions (read with MASK only)
+        row0,  # the tile's first key row: row -> page row // PAGE_SIZE, slot row % PAGE_SIZE
+        row_hi,  # end of the key rows (read with MASK only)
+        qk_scale,
+        page_table_ptr,
+        page_pos_ptr,
+        page_len_ptr,
+        k_ptr,
+        v_ptr,
+        kv_base,  # [BLOCK_D] offsets of the program's KV head's dims within a slot
+        d_ok,  # [BLOCK_D] dims < HEAD_DIM
+        MASK: tl.constexpr,  # False: full pages every query sees (no row/length/position mask)
+        PAGE_SIZE: tl.constexpr,
+        KV_ROW: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        # One BLOCK_N-row key tile of the online softmax; returns (acc, l_i, m_i) updated. Both
+        # key loops of the kernel call it; the constexpr branches leave each loop the exact
+        # body it would have written out.
+        rows = row0 + tl.arange(0, BLOCK_N)
+        if MASK:
+            in_range = rows < row_hi
+            pidx = rows // PAGE_SIZE
+            page = tl.load(page_table_ptr + pidx, mask=in_range, other=0).to(tl.int64)
+            ppos = tl.load(page_pos_ptr + pidx, mask=in_range, other=0)
+            plen = tl.load(page_len_ptr + pidx, mask=in_range, other=0)
+            s = rows % PAGE_SIZE
+            # NOTE: slots past a page's length may hold anything (NaN included): never read.
+            valid = in_range & (s < plen)
+            kv_off = ((page * PAGE_SIZE + s) * KV_ROW)[:, None] + kv_base[None, :]
+            kv_mask = valid[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        else:
+            page = tl.load(page_table_ptr + rows // PAGE_SIZE).to(tl.int64)
+            slot = (page * PAGE_SIZE + rows % PAGE_SIZE) * KV_ROW
+            kv_off = slot[:, None] + kv_base[None, :]
+            if BLOCK_D == HEAD_DIM:  # no mask at all: plain (pipelined) row copies
+                k = tl.load(k_ptr + kv_off)
+            else:
+                k = tl.load(k_ptr + kv_off, mask=d_ok[None, :])
+        if UPCAST:
+            k = k.to(tl.float32)
+        if MASK:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = valid[None, :] & ((ppos + s)[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen nothing yet keeps m = -inf; shift it by 0 so exp2 gives 0s.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+        else:
+            # Every score is finite here: scale the row max, not each score (one FMA each).
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK:
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            v = tl.load(v_ptr + kv_off)
+        else:
+            v = tl.load(v_ptr + kv_off, mask=d_ok[None, :])
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        return acc, l_i, m_new
 
     @triton.jit
     def _paged_attention_kernel(
@@ -208,61 +289,19 @@ if HAS_TRITON:
         # NOTE: rows in [row_lo, row_full) are slots of full pages every query here sees: no
         # row, length or position mask, and the running max is finite after the first tile.
         for row0 in range(row_lo, row_full, BLOCK_N):
-            rows = row0 + tl.arange(0, BLOCK_N)
-            page = tl.load(page_table_ptr + rows // PAGE_SIZE).to(tl.int64)
-            slot = (page * PAGE_SIZE + rows % PAGE_SIZE) * KV_ROW
-            kv_off = slot[:, None] + kv_base[None, :]
-            if BLOCK_D == HEAD_DIM:  # no mask at all: plain (pipelined) row copies
-                k = tl.load(k_ptr + kv_off)
-            else:
-                k = tl.load(k_ptr + kv_off, mask=d_ok[None, :])
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if BLOCK_D == HEAD_DIM:
-                v = tl.load(v_ptr + kv_off)
-            else:
-                v = tl.load(v_ptr + kv_off, mask=d_ok[None, :])
-            if UPCAST:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
-
+            acc, l_i, m_i = _tile_update(
+                acc, l_i, m_i, q, q_pos, row0, row_hi, qk_scale,
+                page_table_ptr, page_pos_ptr, page_len_ptr, k_ptr, v_ptr, kv_base, d_ok,
+                MASK=False, PAGE_SIZE=PAGE_SIZE, KV_ROW=KV_ROW, HEAD_DIM=HEAD_DIM,
+                BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST,
+            )  # fmt: skip
         for row0 in range(row_full, row_hi, BLOCK_N):
-            rows = row0 + tl.arange(0, BLOCK_N)
-            in_range = rows < row_hi
-            pidx = rows // PAGE_SIZE
-            page = tl.load(page_table_ptr + pidx, mask=in_range, other=0).to(tl.int64)
-            ppos = tl.load(page_pos_ptr + pidx, mask=in_range, other=0)
-            plen = tl.load(page_len_ptr + pidx, mask=in_range, other=0)
-            s = rows % PAGE_SIZE
-            # NOTE: slots past a page's length may hold anything (NaN included): never read.
-            valid = in_range & (s < plen)
-            kv_off = ((page * PAGE_SIZE + s) * KV_ROW)[:, None] + kv_base[None, :]
-            kv_mask = valid[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            visible = valid[None, :] & ((ppos + s)[None, :] <= q_pos[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A row that has seen nothing yet keeps m = -inf; shift it by 0 so exp2 gives 0s.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
+            acc, l_i, m_i = _tile_update(
+                acc, l_i, m_i, q, q_pos, row0, row_hi, qk_scale,
+                page_table_ptr, page_pos_ptr, page_len_ptr, k_ptr, v_ptr, kv_base, d_ok,
+                MASK=True, PAGE_SIZE=PAGE_SIZE, KV_ROW=KV_ROW, HEAD_DIM=HEAD_DIM,
+                BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST,
+            )  # fmt: skip
 
         seen = l_i > 0.0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -285,15 +324,13 @@ def _validate(
     cu_q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    page_pos: torch.Tensor,
-    page_len: torch.Tensor,
-    cu_pages: torch.Tensor,
+    pages: PagedKVTable,
     sm_scale: float,
     max_q_len: int | None,
     out_dtype: torch.dtype,
 ) -> torch.device:
-    """Host-side checks of shapes, dtypes, devices and layout (no device sync)."""
+    """Host-side checks of shapes, dtypes, devices and layout (no device sync); the table
+    checked its own tensors when it was built."""
     q = check_tensor(_NAME, "q", q, ndim=3, dtypes=KV_DTYPES)
     k_cache = check_tensor(_NAME, "k_cache", k_cache, ndim=4, dtypes=KV_DTYPES, contiguous=True)
     v_cache = check_tensor(_NAME, "v_cache", v_cache, ndim=4, dtypes=KV_DTYPES, contiguous=True)
@@ -331,20 +368,12 @@ def _validate(
             f"{tuple(q_pos.shape)}"
         )
     check_tensor(_NAME, "cu_q", cu_q, ndim=1, dtypes=INT_DTYPES, contiguous=True)
-    check_tensor(_NAME, "cu_pages", cu_pages, ndim=1, dtypes=INT_DTYPES, contiguous=True)
-    if cu_q.shape[0] == 0 or cu_q.shape != cu_pages.shape:
+    if not isinstance(pages, PagedKVTable):
+        raise ValueError(f"{_NAME}: pages must be a PagedKVTable, got {type(pages).__name__}")
+    if cu_q.shape[0] == 0 or cu_q.shape != pages.cu_pages.shape:
         raise ValueError(
             f"{_NAME}: cu_q has shape {tuple(cu_q.shape)} and cu_pages has shape "
-            f"{tuple(cu_pages.shape)}; both must be [B + 1] for the same B"
-        )
-    check_tensor(_NAME, "page_table", page_table, ndim=1, dtypes=INT_DTYPES, contiguous=True)
-    check_tensor(_NAME, "page_pos", page_pos, ndim=1, dtypes=(torch.int64,), contiguous=True)
-    check_tensor(_NAME, "page_len", page_len, ndim=1, dtypes=INT_DTYPES, contiguous=True)
-    if not page_table.shape == page_pos.shape == page_len.shape:
-        raise ValueError(
-            f"{_NAME}: page_table has shape {tuple(page_table.shape)}, page_pos has shape "
-            f"{tuple(page_pos.shape)}, page_len has shape {tuple(page_len.shape)}; "
-            "they must have one length"
+            f"{tuple(pages.cu_pages.shape)}; both must be [B + 1] for the same B"
         )
     # NOTE: > 0 so the row max of the scaled scores is the scaled row max (one FMA per score).
     if (
@@ -363,20 +392,11 @@ def _validate(
         cu_q=cu_q,
         k_cache=k_cache,
         v_cache=v_cache,
-        page_table=page_table,
-        page_pos=page_pos,
-        page_len=page_len,
-        cu_pages=cu_pages,
+        pages=pages.page_table,
     )
 
 
-def _read_sizes(
-    cu_q: torch.Tensor,
-    cu_pages: torch.Tensor,
-    page_len: torch.Tensor,
-    n_tokens: int,
-    page_size: int,
-) -> int:
+def _read_sizes(cu_q: torch.Tensor, pages: PagedKVTable, n_tokens: int, page_size: int) -> int:
     """Read the offsets' ends and the longest sequence from the device (one sync) and check the
     offsets and page lengths while at it.
 
@@ -387,10 +407,10 @@ def _read_sizes(
         ValueError: offsets that do not start at 0, fall, or end off the tensors' lengths;
             page lengths outside ``[0, page_size]``.
     """
-    cu_q64, cu_p64 = cu_q.to(torch.int64), cu_pages.to(torch.int64)
+    cu_q64, cu_p64 = cu_q.to(torch.int64), pages.cu_pages.to(torch.int64)
     q_lens, p_lens = cu_q64.diff(), cu_p64.diff()
     zero = cu_q64.new_zeros(())
-    lens = page_len.to(torch.int64)
+    lens = pages.page_len.to(torch.int64)
     stats = torch.stack(
         (
             cu_q64[0],
@@ -405,12 +425,12 @@ def _read_sizes(
         )
     )
     q0, q1, q_min, q_max, p0, p1, p_min, len_min, len_max = stats.tolist()
-    n_pages = page_len.shape[0]
+    n_pages = pages.num_pages
     if q0 != 0 or q1 != n_tokens or q_min < 0:
         raise ValueError(f"{_NAME}: cu_q {cu_q.tolist()} must rise from 0 to q's {n_tokens} tokens")
     if p0 != 0 or p1 != n_pages or p_min < 0:
         raise ValueError(
-            f"{_NAME}: cu_pages {cu_pages.tolist()} must rise from 0 to the {n_pages} pages "
+            f"{_NAME}: cu_pages {pages.cu_pages.tolist()} must rise from 0 to the {n_pages} pages "
             "of page_table"
         )
     if len_min < 0 or len_max > page_size:
@@ -445,10 +465,7 @@ def paged_partial_attention(
     cu_q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    page_pos: torch.Tensor,
-    page_len: torch.Tensor,
-    cu_pages: torch.Tensor,
+    pages: PagedKVTable,
     sm_scale: float,
     *,
     max_q_len: int | None = None,
@@ -458,14 +475,12 @@ def paged_partial_attention(
     position, with its log-sum-exp (merge lanes' partials with :func:`merge_attn_states`).
 
     Queries and pages are grouped by sequence: sequence ``b`` owns queries
-    ``cu_q[b]:cu_q[b+1]`` and pages ``cu_pages[b]:cu_pages[b+1]`` of ``page_table``. Slot ``j``
-    of page ``i`` holds the key at position ``page_pos[i] + j`` when ``j < page_len[i]``; a
-    query at position ``p`` sees the keys of its own sequence at positions ``<= p``. Pages
-    need not be in position order nor contiguous in positions. The shard is read in place
-    through the page table (FA2-style online softmax in fp32, exp2 domain); the key range of
-    each block of queries is bounded first, so pages past its last position cost nothing and
-    pages every query of the block fully sees run without masks (fastest when a sequence's
-    pages come in position order).
+    ``cu_q[b]:cu_q[b+1]`` and its pages of ``pages`` (see :class:`PagedKVTable`); a query at
+    position ``p`` sees the keys of its own sequence at positions ``<= p``. The shard is read
+    in place through the page table (FA2-style online softmax in fp32, exp2 domain); the key
+    range of each block of queries is bounded first, so pages past its last position cost
+    nothing and pages every query of the block fully sees run without masks (fastest when a
+    sequence's pages come in position order).
 
     Args:
         q: ``[Tq, Hq, D]`` queries (fp16/bf16/fp32), unit stride on D.
@@ -474,10 +489,7 @@ def paged_partial_attention(
         k_cache: ``[P, page_size, Hkv, D]`` contiguous, dtype of ``q``; ``Hq % Hkv == 0``
             (GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``).
         v_cache: like ``k_cache``.
-        page_table: ``int32/int64 [N]`` local page ids, grouped by sequence.
-        page_pos: ``int64 [N]`` global position of each page's slot 0.
-        page_len: ``int32/int64 [N]`` valid slots of each page, in ``[0, page_size]``.
-        cu_pages: ``int32/int64 [B + 1]`` page offsets per sequence.
+        pages: the sequences' pages in the shard, on its device; ``B`` sequences, as ``cu_q``.
         sm_scale: softmax scale > 0 (usually ``D ** -0.5``).
         max_q_len: optional host-side bound on the longest sequence's query count (any upper
             bound works; larger only adds idle programs). Given, the launch needs no device
@@ -496,25 +508,20 @@ def paged_partial_attention(
             offsets that do not match the tensors or page lengths outside ``[0, page_size]``.
 
     NOTE: with ``max_q_len`` given nothing is value-checked (that needs a device sync): offsets
-    must cover ``q`` and ``page_table`` exactly and page ids / lengths be in range, or queries
+    must cover ``q`` and the page table exactly and page ids / lengths be in range, or queries
     are left unwritten and the kernel reads out of bounds.
     """
-    device = _validate(
-        q, q_pos, cu_q, k_cache, v_cache, page_table, page_pos, page_len, cu_pages,
-        sm_scale, max_q_len, out_dtype,
-    )  # fmt: skip
+    device = _validate(q, q_pos, cu_q, k_cache, v_cache, pages, sm_scale, max_q_len, out_dtype)
     tq, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     n_seqs = cu_q.shape[0] - 1
     if max_q_len is None:
-        max_q_len = _read_sizes(cu_q, cu_pages, page_len, tq, page_size)
+        max_q_len = _read_sizes(cu_q, pages, tq, page_size)
     if tq == 0 or d == 0 or n_seqs == 0 or max_q_len == 0:
         out = torch.zeros((tq, hq, d), dtype=out_dtype, device=device)
         return out, torch.full((tq, hq), float("-inf"), dtype=torch.float32, device=device)
     if not use_triton(_NAME, device):
-        out, lse = naive.paged_partial_attention(
-            q, q_pos, cu_q, k_cache, v_cache, page_table, page_pos, page_len, cu_pages, sm_scale
-        )
+        out, lse = naive.paged_partial_attention(q, q_pos, cu_q, k_cache, v_cache, pages, sm_scale)
         return out.to(out_dtype), lse
 
     group = hq // hkv
@@ -537,10 +544,10 @@ def paged_partial_attention(
         cu_q,
         k_cache,
         v_cache,
-        page_table,
-        page_pos,
-        page_len,
-        cu_pages,
+        pages.page_table,
+        pages.page_pos,
+        pages.page_len,
+        pages.cu_pages,
         block_seq,
         cu_blocks,
         out,

@@ -142,15 +142,6 @@ def lane_exchange_bytes(
 
 
 @dataclass(slots=True)
-class _DeviceTable:
-    page_table: torch.Tensor
-    page_pos: torch.Tensor
-    page_len: torch.Tensor
-    cu_pages: torch.Tensor
-    num_pages: int
-
-
-@dataclass(slots=True)
 class _DeviceExchange:
     counts: list[int]
     sorted_to_gathered: torch.Tensor | None  # None: the identity (no reordering copy)
@@ -159,7 +150,7 @@ class _DeviceExchange:
     cu_q: torch.Tensor
     max_q_len: int  # the longest request's subset tokens (the kernel launches without a sync)
     my_rows: torch.Tensor | None  # None: all of this lane's tokens
-    pages: _DeviceTable
+    pages: kernels.PagedKVTable
 
 
 @dataclass(slots=True)
@@ -170,7 +161,7 @@ class _DevicePlan:
     my_max_q_len: int
     pass_q: _DeviceExchange
     history: _DeviceExchange | None
-    new_pages: _DeviceTable
+    new_pages: kernels.PagedKVTable
     new_rows: torch.Tensor
 
 
@@ -191,13 +182,12 @@ def _rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return x if index is None else x.index_select(0, index)
 
 
-def _table(t: PageTable, device: torch.device) -> _DeviceTable:
-    return _DeviceTable(
+def _table(t: PageTable, device: torch.device) -> kernels.PagedKVTable:
+    return kernels.PagedKVTable(
         _t(t.page_table, device),
         _t(t.page_pos, device),
         _t(t.page_len, device),
         _t(t.cu_pages, device),
-        t.num_pages,
     )
 
 
@@ -339,7 +329,7 @@ class CPAttention:
         max_q_len: int,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        pages: _DeviceTable,
+        pages: kernels.PagedKVTable,
         sm_scale: float,
         out_dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,10 +342,7 @@ class CPAttention:
             cu_q,
             k_cache,
             v_cache,
-            pages.page_table,
-            pages.page_pos,
-            pages.page_len,
-            pages.cu_pages,
+            pages,
             sm_scale,
             # NOTE: from the host plan, so the launch reads nothing back (a sync per layer
             # would let the GPU drain while the host queues the next layer's kernels).

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from cpkv.kernels import naive
 from cpkv.kernels._common import (
     HAS_TRITON,
     INT_DTYPES,
     cdiv,
     check_hint,
     check_same_device,
-    check_same_len,
-    check_table,
     check_tensor,
     for_current_mode,
-    request_chunks,
     tl,
     triton,
     use_triton,
+)
+from cpkv.kernels.req_to_token import naive
+from cpkv.kernels.req_to_token._common import (
+    check_count,
+    check_same_len,
+    check_table,
+    request_chunks,
 )
 
 _NAME = "write_req_to_token"
@@ -214,14 +217,9 @@ def _read_sizes(
         raise ValueError(
             f"{_NAME}: seq_lens {seq_lens.tolist()} < prefix_lens {prefix_lens.tolist()}"
         )
-    if out_cache_loc.numel() != total_seq - total_pre:
-        raise ValueError(
-            f"{_NAME}: out_cache_loc has {out_cache_loc.numel()} elements but extend lengths "
-            f"sum to {total_seq - total_pre}"
-        )
-    if prefix_locs is not None and prefix_locs.numel() != total_pre:
-        raise ValueError(
-            f"{_NAME}: prefix_locs has {prefix_locs.numel()} elements but prefix_lens sum to "
-            f"{total_pre}"
-        )
+    check_count(
+        _NAME, "out_cache_loc", out_cache_loc.numel(), total_seq - total_pre, "extend lengths"
+    )
+    if prefix_locs is not None:
+        check_count(_NAME, "prefix_locs", prefix_locs.numel(), total_pre, "prefix_lens")
     return max_ext, max_pre

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from cpkv.kernels import naive
 from cpkv.kernels._common import (
     HAS_TRITON,
     INT_DTYPES,
     cdiv,
     check_same_device,
-    check_same_len,
-    check_table,
     check_tensor,
     for_current_mode,
     tl,
     triton,
     use_triton,
 )
+from cpkv.kernels.req_to_token import naive
+from cpkv.kernels.req_to_token._common import check_same_len, check_table
 
 _NAME = "get_last_loc"
 

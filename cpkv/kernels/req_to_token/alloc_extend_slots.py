@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from cpkv.kernels import naive
 from cpkv.kernels._common import (
     HAS_TRITON,
     INT_DTYPES,
     cdiv,
     check_hint,
     check_same_device,
-    check_same_len,
     check_tensor,
     for_current_mode,
-    request_chunks,
     tl,
     triton,
     use_triton,
 )
+from cpkv.kernels.req_to_token import naive
+from cpkv.kernels.req_to_token._common import check_count, check_same_len, request_chunks
 
 _NAME = "alloc_extend_slots"
 
@@ -180,11 +179,7 @@ def _read_sizes(
     total_tokens, total_pages = totals[1] - totals[0], totals[3] - totals[2]
     if min_ext < 0:
         raise ValueError(f"{_NAME}: seq_lens {lens[1].tolist()} < prefix_lens {lens[0].tolist()}")
-    if new_pages.numel() != total_pages:
-        raise ValueError(
-            f"{_NAME}: new_pages has {new_pages.numel()} elements but new page counts sum to "
-            f"{total_pages}"
-        )
+    check_count(_NAME, "new_pages", new_pages.numel(), total_pages, "new page counts")
     if extend_num_tokens is not None and extend_num_tokens != total_tokens:
         raise ValueError(
             f"{_NAME}: extend_num_tokens={extend_num_tokens} but extend lengths sum to "
