@@ -28,7 +28,7 @@ from cpkv.actors.pool import LaneOptions, Pool
 from cpkv.core.allocator import ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
 from cpkv.core.layout import PageLayout
-from cpkv.core.steps import StepResult
+from cpkv.core.steps import StepResult, check_mode
 from cpkv.core.validate import (
     as_token_array,
     check_float,
@@ -1071,15 +1071,6 @@ class CPKVClient:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def check_mode(mode: object, name: str = "mode") -> str:
-    """``mode`` when it is one of the attention exchanges, else InvalidRequestError."""
-    from cpkv.core.steps import MODES
-
-    if mode not in MODES:
-        raise InvalidRequestError(f"{name}={mode!r}; expected one of {MODES}")
-    return mode
 
 
 def _with_backoff(

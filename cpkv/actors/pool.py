@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cpkv.actors.ray_env import NAMESPACE, ensure_ray
 from cpkv.core.config import CPConfig, KVShape
-from cpkv.errors import InvalidRequestError
+from cpkv.errors import CoordinatorUnavailableError, InvalidRequestError, RequestTimeoutError
 
 __all__ = ["STRATEGIES", "LaneOptions", "Pool"]
 
@@ -151,7 +151,15 @@ class Pool:
 
     @classmethod
     def _of(cls, name: str, coordinator, timeout_s: float, group_name: str | None = None) -> Pool:
-        info = ray.get(coordinator.hello.remote(), timeout=timeout_s)  # no client: no lease
+        try:
+            info = ray.get(coordinator.hello.remote(), timeout=timeout_s)  # no client: no lease
+        except ray.exceptions.GetTimeoutError:
+            raise RequestTimeoutError(
+                f"hello: {name!r} gave no answer within {timeout_s}s"
+            ) from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            detail = f"hello: coordinator {name!r} died ({type(e).__name__})"
+            raise CoordinatorUnavailableError(detail) from None
         return cls(name, coordinator, info["config"], info["lanes"], info["lane_names"], group_name)
 
     @classmethod

@@ -23,14 +23,14 @@ __all__ = ["MODES", "StepRequest", "StepResult", "StepSequence", "check_mode"]
 MODES = ("auto", "pass_q", "pass_kv")
 
 
-def check_mode(mode: object) -> str:
-    """Return ``mode`` when it is one of :data:`MODES`.
+def check_mode(mode: object, name: str = "mode") -> str:
+    """Return ``mode`` when it is one of :data:`MODES` (the one check of every layer).
 
     Raises:
-        InvalidRequestError: any other value, naming the modes.
+        InvalidRequestError: any other value, naming the argument and the modes.
     """
     if not isinstance(mode, str) or mode not in MODES:
-        raise InvalidRequestError(f"mode={mode!r}; expected one of {MODES}")
+        raise InvalidRequestError(f"{name}={mode!r}; expected one of {MODES}")
     return mode
 
 

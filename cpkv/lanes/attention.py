@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from cpkv import kernels
-from cpkv.core.steps import MODES  # one list of modes for the client, coordinator and lanes
+from cpkv.core.steps import MODES, check_mode
 from cpkv.lanes.comm import LaneGroup
 from cpkv.lanes.step import PageTable, QExchange, StepPlan
 
@@ -226,8 +226,7 @@ class CPAttention:
     """
 
     def __init__(self, group: LaneGroup, plan: StepPlan, mode: str = "auto") -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} must be one of {MODES}")
+        check_mode(mode)
         if group.world_size != plan.cp_size or group.rank != plan.lane:
             raise ValueError(
                 f"plan for lane {plan.lane} of cp_size={plan.cp_size} does not match group rank "
