@@ -10,7 +10,9 @@ client.shutdown()
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import itertools
 import logging
 import random
@@ -28,6 +30,7 @@ from cpkv.actors.pool import LaneOptions, Pool
 from cpkv.core.allocator import ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
 from cpkv.core.layout import PageLayout
+from cpkv.core.page_hash import PageHasher, TokenDigest
 from cpkv.core.steps import StepResult, check_mode
 from cpkv.core.validate import (
     as_token_array,
@@ -45,6 +48,7 @@ from cpkv.errors import (
     LaneUnavailableError,
     LeaseExpiredError,
     RequestTimeoutError,
+    StaleDigestError,
     StepFailedError,
 )
 
@@ -55,6 +59,8 @@ logger = logging.getLogger("cpkv.client")
 DEFAULT_NAME = "cpkv-coordinator"
 
 _T = TypeVar("_T")
+# Digest offsets remembered by (call id, rid), for retries by call id.
+_REMEMBERED_OFFSETS = 4096
 # A coordinator call: yields ``(ref, what)``, is sent the answer, returns the result.
 _Call = Generator[tuple[Any, str], Any, Any]
 
@@ -319,6 +325,14 @@ class CPKVClient:
         self.vocab_size: int | None = hello.get("vocab_size")
         self._namespace_id: int = hello["namespace_id"]
         self._layout = PageLayout(self.config.cp_size, self.config.page_size)
+        self._hasher = _hasher(self.config, hello)
+        # Tokens each request held after this client's last allocate_extend of it: where its
+        # next chunk starts in its partial page (the digest of that chunk depends on it).
+        self._held: dict[Hashable, int] = {}
+        # The partial-page offset each (call id, rid) was digested at (the newest), for
+        # retries by call id: -1 when the ids themselves were sent.
+        self._offsets: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+        self._offsets_lock = threading.Lock()
         if pool is None:
             pool = Pool(None, coordinator, self.config, self.lanes, self.lane_names)
         self._pool = pool
@@ -427,6 +441,7 @@ class CPKVClient:
                 self._coord.hello.remote(*self._hello_args), timeout=self.timeout_s
             )
             self._epoch = hello["epoch"]
+            self._hasher = _hasher(self.config, hello)  # a new coordinator: a new key
             raise CoordinatorUnavailableError(out.detail, self._take_lost())
         if isinstance(out, (LaneUnavailableError, LeaseExpiredError)):
             self._forget(out.rids)
@@ -447,6 +462,7 @@ class CPKVClient:
     def _forget(self, rids) -> None:
         for rid in rids:
             self._rids.discard(rid)
+            self._held.pop(rid, None)
 
     def _lose_all(self) -> None:
         self._lost = sorted(self._rids, key=repr)
@@ -569,17 +585,38 @@ class CPKVClient:
         return await self._arun(self._extend(rid, tokens, cache_salt, call_id))
 
     def _extend(self, rid, tokens: np.ndarray, cache_salt, call_id) -> _Call:
-        out = yield from self._call(
-            "allocate_extend",
-            rid,
-            tokens,
-            cache_salt,
-            what="allocate_extend",
-            call_id=call_id,
-            fenced=True,
+        call = functools.partial(
+            self._call, "allocate_extend", rid, what="allocate_extend", fenced=True
         )
+        call_id = self._call_id(call_id)
+        payload = self._payload(call_id, rid, tokens)
+        try:
+            out = yield from call(payload, cache_salt, call_id=call_id)
+        except StaleDigestError:  # another client of the namespace extended it meanwhile
+            out = yield from call(tokens, cache_salt, call_id=("tokens", call_id))
         self._rids.add(rid)
+        self._held[rid] = out.prefix_len + out.extend_len
         return out
+
+    def _payload(
+        self, call_id: Hashable, rid: Hashable, tokens: np.ndarray
+    ) -> np.ndarray | TokenDigest:
+        """What an allocation sends of ``tokens``: their digest (8 bytes a page) when this
+        client knows where they start in the request's partial page, else the ids. A retry
+        by call id digests at the offset its first send used (``_held`` may have moved)."""
+        if self._hasher is None:
+            return tokens
+        with self._offsets_lock:
+            offset = self._offsets.get((call_id, rid))
+            if offset is None:
+                held = self._held.get(rid)
+                # Live, but stepped since (its length unknown here): the ids themselves.
+                unknown = held is None and rid in self._rids
+                offset = -1 if unknown else (held or 0) % self.config.page_size
+                self._offsets[(call_id, rid)] = offset
+                while len(self._offsets) > _REMEMBERED_OFFSETS:
+                    self._offsets.popitem(last=False)
+        return tokens if offset < 0 else self._hasher.digest(tokens, offset)
 
     def allocate_extend_with_backoff(
         self,
@@ -616,17 +653,18 @@ class CPKVClient:
     ) -> list:
         """Allocate one prefill step of several requests, all or nothing."""
         checked = self._batch_args(items, cache_salt, "allocate_extend_batch")
-        out = self._run(
-            self._call(
-                "allocate_extend_batch",
-                checked,
-                cache_salt,
-                what="allocate_extend_batch",
-                call_id=call_id,
-                fenced=True,
-            )
+        call = functools.partial(
+            self._call, "allocate_extend_batch", what="allocate_extend_batch", fenced=True
         )
+        call_id = self._call_id(call_id)
+        payload = [(rid, self._payload(call_id, rid, tokens)) for rid, tokens in checked]
+        try:
+            out = self._run(call(payload, cache_salt, call_id=call_id))
+        except StaleDigestError:  # another client of the namespace extended one meanwhile
+            out = self._run(call(checked, cache_salt, call_id=("tokens", call_id)))
         self._rids.update(rid for rid, _ in checked)
+        for alloc, (rid, _) in zip(out, checked, strict=True):
+            self._held[rid] = alloc.prefix_len + alloc.extend_len
         return out
 
     def allocate_decode(
@@ -644,9 +682,13 @@ class CPKVClient:
         return await self._arun(self._decode_call(rids, toks, call_id))
 
     def _decode_call(self, rids: list, toks: np.ndarray | None, call_id) -> _Call:
-        return self._call(
+        out = yield from self._call(
             "allocate_decode", rids, toks, what="allocate_decode", call_id=call_id, fenced=True
         )
+        for rid in rids:
+            if rid in self._held:
+                self._held[rid] += 1
+        return out
 
     def free(
         self,
@@ -729,6 +771,7 @@ class CPKVClient:
             "prefill", rid, tokens, cache_salt, mode, probe, call_id=call_id, deadline_s=deadline_s
         )
         self._rids.add(rid)
+        self._held.pop(rid, None)  # stepped: the next allocation sends token ids
         return self._step_results(out, "prefill", [rid], call_id)[0]
 
     def prefill_batch(
@@ -746,6 +789,8 @@ class CPKVClient:
         call_id = self._call_id(call_id)
         out = self._step("prefill_batch", checked, cache_salt, mode, probe, call_id=call_id)
         self._rids.update(rid for rid, _ in checked)
+        for rid, _ in checked:
+            self._held.pop(rid, None)
         return self._step_results(out, "prefill_batch", [rid for rid, _ in checked], call_id)
 
     def decode(
@@ -779,6 +824,8 @@ class CPKVClient:
         mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
         out = self._step("decode", rids, toks, mode, probe, call_id=call_id, deadline_s=deadline_s)
+        for rid in rids:
+            self._held.pop(rid, None)  # stepped: the next allocation sends token ids
         results = self._wait_step(out["lanes"], "decode", rids, call_id)
         if probe is not None:
             return _assemble_probe(results, len(rids))
@@ -1127,6 +1174,12 @@ def _later_fence(old: list, new: list) -> list:
         keep_old = ea == eb and na.isdigit() and nb.isdigit() and int(na) > int(nb)
         out.append(a if keep_old else b)
     return out
+
+
+def _hasher(config: CPConfig, hello: dict) -> PageHasher | None:
+    """The coordinator's page hasher, rebuilt from the key it gives its clients."""
+    key = hello.get("page_hash_key")
+    return None if key is None else PageHasher(config.page_size, key)
 
 
 def _assemble_probe(results: list[StepResult], num_tokens: int) -> np.ndarray:

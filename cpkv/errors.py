@@ -16,6 +16,7 @@ __all__ = [
     "LaneUnavailableError",
     "LeaseExpiredError",
     "RequestTimeoutError",
+    "StaleDigestError",
     "StepFailedError",
 ]
 
@@ -26,6 +27,12 @@ class CPKVError(Exception):
 
 class InvalidRequestError(CPKVError, ValueError):
     """Bad input: the message names the offending value; state is unchanged."""
+
+
+class StaleDigestError(InvalidRequestError):
+    """A client's :class:`cpkv.core.page_hash.TokenDigest` was built for another fill of
+    the request's partial page (another client of its namespace extended it meanwhile):
+    nothing changed; the client sends the tokens themselves instead."""
 
 
 class KVCapacityWaitError(CPKVError, RuntimeError):

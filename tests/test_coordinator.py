@@ -249,3 +249,19 @@ def test_a_lane_found_lost_is_failed_at_the_coordinators_next_call():
     assert coord.wait_recovered(5)
     report = coord.check()
     assert report["ok"], report
+
+
+def test_a_free_costs_no_lane_call_its_releases_ride_with_the_next_move():
+    coord, _ = make()
+    moves = lambda: coord.stats()["lane_calls_by_op"]  # counted when queued
+    call(coord, "allocate_extend", "a", np.arange(64))  # 16 pages: 4 on every lane
+    assert moves() == {"extend": 4}
+    call(coord, "free", "a", False, None)
+    assert moves() == {"extend": 4}  # held back: no lane needs to hear of it yet
+    # The pages are taken again at once: the releases go first, in the same moves.
+    call(coord, "allocate_extend", "b", np.arange(100, 164))
+    assert moves() == {"extend": 8}
+    assert_lanes_agree(coord)
+    call(coord, "free", "b", False, None)
+    assert_lanes_agree(coord)  # check() sends what was held back before comparing counts
+    assert moves() == {"extend": 8, "release": 4}

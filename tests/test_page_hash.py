@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from cpkv import CPAllocator
+from cpkv import CPAllocator, InvalidRequestError
 from cpkv.core.page_hash import PageHasher
+from cpkv.errors import StaleDigestError
 
 
 def hashes(h: PageHasher, tokens, salt=None) -> np.ndarray:
@@ -111,3 +114,63 @@ def test_cached_prefix_hits_whatever_ids_follow_it():
     a.free("a")
     hit = a.allocate_extend("b", [*prompt, 2**40, 3])
     assert hit.cached_len == 16
+
+
+# ------------------------------------------------------------------ client-side digests (#22)
+def _chunked(a: CPAllocator, rid, tokens: np.ndarray, cuts, digest: PageHasher | None) -> None:
+    """Extend ``rid`` chunk by chunk: by token ids, or by digests made with ``digest``."""
+    held = 0
+    for lo, hi in zip([0, *cuts], [*cuts, len(tokens)], strict=True):
+        chunk = np.ascontiguousarray(tokens[lo:hi])
+        sent = chunk if digest is None else digest.digest(chunk, held % digest.page_size)
+        alloc = a.allocate_extend(rid, sent)
+        held = alloc.prefix_len + alloc.extend_len
+
+
+@pytest.mark.parametrize(
+    "cuts", [[], [3], [8], [5, 6, 19], [1, 2, 3, 4, 5, 30]], ids=lambda c: f"cuts{c}"
+)
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow-ids", "wide-ids"])
+def test_a_client_digest_caches_the_pages_its_tokens_would(cuts, wide):
+    """Pages hashed on the client's side (contents only, chained by the coordinator) are
+    the pages the coordinator would hash from the ids: same cache hits, chunk by chunk."""
+    key, ps = bytes(range(32)), 4
+    tokens = np.random.default_rng(len(cuts)).integers(0, 1 << (40 if wide else 16), size=37)
+    client = PageHasher(ps, key)
+    by_ids, by_digest = (CPAllocator(2, ps, 32, 4, 1000, hash_key=key) for _ in range(2))
+    _chunked(by_ids, "r", tokens, cuts, None)
+    _chunked(by_digest, "r", tokens, cuts, client)
+    for a in (by_ids, by_digest):
+        a.free("r")
+    # Every full page is cached under the same identity in both (a prompt of the same ids
+    # matches all 9 of them), and nothing else is.
+    for a in (by_ids, by_digest):
+        assert a.match_prefix(tokens).shape == (9,)
+        hit = a.allocate_extend("again", client.digest(tokens, 0))
+        assert hit.cached_len == 36
+        other = tokens.copy()
+        other[17] += 1
+        assert a.match_prefix(other).shape == (4,)
+
+
+def test_a_stale_digest_is_refused_and_changes_nothing():
+    key = bytes(32)
+    a = CPAllocator(2, 4, 32, 4, 1000, hash_key=key)
+    h = PageHasher(4, key)
+    a.allocate_extend("r", np.arange(6))  # 2 tokens in its partial page
+    before = a.stats()
+    with pytest.raises(StaleDigestError, match="built for 0 tokens"):
+        a.allocate_extend("r", h.digest(np.arange(6, 16), 0))
+    assert a.stats() == before
+    assert a.allocate_extend("r", h.digest(np.arange(6, 16), 2)).extend_len == 10
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("offset", 4), ("num_tokens", 9), ("head", np.arange(3)), ("tail", np.arange(4))],
+    ids=lambda v: str(v) if isinstance(v, (int, str)) else f"len{len(v)}",
+)
+def test_a_digest_that_does_not_add_up_is_refused(field, value):
+    d = PageHasher(4, bytes(32)).digest(np.arange(10), 2)  # head 2, one page, tail 0
+    with pytest.raises(InvalidRequestError, match="TokenDigest"):
+        dataclasses.replace(d, **{field: value})

@@ -66,6 +66,8 @@ class LaneChannel:
         self._pending: deque[tuple[int, str, int, Future]] = deque()
         self._pending_lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Per lane, releases held back (this generation): they ride with the lane's next move.
+        self._held_back: list[list[np.ndarray]] = [[] for _ in range(cp_size)]
         self.num_calls = 0
         self.num_moves_by_op: dict[str, int] = {}
         self._sender = threading.Thread(target=self._send_loop, daemon=True, name="cpkv-sender")
@@ -91,6 +93,7 @@ class LaneChannel:
         gen = f"{self._epoch}:{next(self._gen_numbers)}"
         self._generations[lane] = gen
         self._next_seq[lane] = 1
+        self._held_back[lane].clear()  # the lane starts empty: nothing to release
         with self._pending_lock:
             self._pending = deque(p for p in self._pending if p[0] != lane)
         return gen
@@ -114,6 +117,10 @@ class LaneChannel:
         """
         gen = self._generations[lane]
         assert gen is not None, f"lane {lane} has no generation yet"
+        held = self._held_back[lane]
+        if held:  # released before the pages taken here (a page may be in both)
+            released = np.concatenate([*held, released])
+            held.clear()
         seq = self._next_seq[lane]
         self._next_seq[lane] = seq + 1
         future: Future = Future()
@@ -126,6 +133,23 @@ class LaneChannel:
         self.num_calls += 1
         self.num_moves_by_op[op] = self.num_moves_by_op.get(op, 0) + 1
         return seq
+
+    def hold_release(self, lane: int, released: np.ndarray) -> None:
+        """Keep a move that only releases pages until ``lane``'s next move (it goes first
+        there) or :meth:`flush_releases`: one lane call fewer per free.
+
+        NOTE: a freed page matters to its lane only once it is taken again, which sends the
+        release first, or when the lane's count is checked (flush first). Until then its
+        former owner's late writes still land in it, on a page nobody holds.
+        """
+        self._held_back[lane].append(released)
+
+    def flush_releases(self) -> None:
+        """Send every release held back (before the lanes' counts are compared)."""
+        empty = np.empty(0, dtype=np.int32)
+        for lane, held in enumerate(self._held_back):
+            if held:
+                self.send_moves(lane, empty, empty, "release")
 
     def fence(self) -> list[tuple[str | None, int]]:
         """Per lane ``(generation, sequence number of the last move queued)``: a lane that has

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -36,6 +37,7 @@ from cpkv.coordinator.supervisor import DEAD, RESTARTING, UP, LaneSupervisor
 from cpkv.core.allocator import CPAllocator, ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
 from cpkv.core.leases import LeaseTable
+from cpkv.core.page_hash import TokenDigest
 from cpkv.core.reply_cache import DROPPED, ReplyCache
 from cpkv.core.steps import StepRequest, StepSequence, check_mode
 from cpkv.core.validate import (
@@ -125,6 +127,9 @@ class Coordinator:
         self.kv = kv
         self.vocab_size = vocab_size
         self.epoch = uuid.uuid4().hex
+        # One page-hash key for the coordinator's life (a reset keeps it): its clients hash
+        # page contents with it (trusted code, see the README's threat model).
+        self._hash_key = secrets.token_bytes(32)
         self._clock = clock
         self._timeout_s = lane_restart_timeout_s
         self._liveness = liveness
@@ -171,8 +176,9 @@ class Coordinator:
                 its lease is lapsed for silence: a live but busy process keeps its lease.
 
         Returns:
-            ``epoch``, ``config``, ``kv``, ``vocab_size`` and ``namespace_id`` (the id
-            the lanes check the client's reads and writes against).
+            ``epoch``, ``config``, ``kv``, ``vocab_size``, ``namespace_id`` (the id the
+            lanes check the client's reads and writes against) and, for a client,
+            ``page_hash_key`` (it sends :class:`TokenDigest` s hashed with it).
         """
         ns_id = _NO_NAMESPACE_ID
         if client_id is not None:
@@ -188,12 +194,15 @@ class Coordinator:
             "kv": self.kv,
             "vocab_size": self.vocab_size,
             "namespace_id": ns_id,
+            "page_hash_key": None if client_id is None else self._hash_key,
         }
 
     def reset(self) -> None:
         """Forget every request and cached page; every lane back to an empty shard."""
         with self._lock:
-            self._core = CPAllocator.from_config(self.config, record_page_moves=True)
+            self._core = CPAllocator.from_config(
+                self.config, record_page_moves=True, hash_key=self._hash_key
+            )
             self._replies = ReplyCache(_MAX_REMEMBERED_CALLS, _MAX_REMEMBERED_BYTES)
             self._tracks: dict[Hashable, _Track] = {}
             self._failed: dict[Hashable, tuple[str, int]] = {}
@@ -412,6 +421,9 @@ class Coordinator:
         """
         keyed = self._keyed_items(client_id, items)
         if step:
+            for key, tokens in keyed:
+                if isinstance(tokens, TokenDigest):
+                    raise InvalidRequestError(f"a step needs token ids, got a digest for {key!r}")
             keyed = [(key, self._step_tokens(key, tokens, probe)) for key, tokens in keyed]
         for key, _ in keyed:
             self._check_not_failed(key)
@@ -715,6 +727,7 @@ class Coordinator:
             for lane, state in enumerate(self._supervisor.states()):
                 if state != UP:
                     problems.append(f"lane {lane}: {state}")
+            self._channel.flush_releases()  # the counts compared below include them
             sent = self._supervisor.send_heartbeats()
         for r, known, _gen, reply in self._supervisor.replies(sent, self._timeout_s):
             if isinstance(reply, BaseException):  # a dead lane is a finding here, not a crash
@@ -738,6 +751,7 @@ class Coordinator:
         with self._lock:
             self._settle_lanes()
             expected = self._held_per_lane()
+            self._channel.flush_releases()  # the counts compared below include them
             sent = self._supervisor.send_heartbeats()
         self._supervisor.heartbeat(sent, expected, max(5.0, self._timeout_s))
         with self._lock:
@@ -854,8 +868,10 @@ class Coordinator:
         cached = self._core.drain_cached_pages()
         owner = self._owner_id(client_id)
         for r, (taken, released) in enumerate(self._core.drain_page_moves()):
-            if taken.size or released.size or cached[r].size:
+            if taken.size or cached[r].size:
                 self._channel.send_moves(r, taken, released, op, owner, cached[r])
+            elif released.size:
+                self._channel.hold_release(r, released)
 
     def _held_per_lane(self) -> list[int]:
         free = self._core.num_free_pages_per_lane()
@@ -891,12 +907,14 @@ def _result_handle(handle: Any) -> Any:
     return handle[1] if isinstance(handle, (list, tuple)) else handle
 
 
-def _digest(*parts: Any) -> int:
+def _digest(*parts: Any, crc: int = 0) -> int:
     """A cheap fingerprint of a call's arguments: a call id repeated with other arguments is
     a client bug to refuse, not a retry (CRC32 of the token bytes: 0.1 ms for 128k ids)."""
-    crc = 0
     for part in parts:
-        if isinstance(part, np.ndarray):
+        if isinstance(part, TokenDigest):
+            crc = _digest(part.num_tokens, part.offset, part.head, part.tail, crc=crc)
+            crc = zlib.crc32(part.contents.data, crc)
+        elif isinstance(part, np.ndarray):
             crc = zlib.crc32(np.ascontiguousarray(part).astype(np.int64, copy=False).data, crc)
         elif isinstance(part, (list, tuple)) and part and isinstance(part[0], (int, np.integer)):
             crc = zlib.crc32(np.asarray(part, dtype=np.int64).data, crc)

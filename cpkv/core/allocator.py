@@ -20,7 +20,7 @@ from cpkv.core.counters import Counters
 from cpkv.core.extend_plan import ExtendPlan, batch_owners, plan_extend
 from cpkv.core.layout import PageLayout
 from cpkv.core.moves import MoveJournal
-from cpkv.core.page_hash import PageHasher
+from cpkv.core.page_hash import PageHasher, TokenDigest
 from cpkv.core.pools import PagePools
 from cpkv.core.prefix_cache import PrefixCache
 from cpkv.core.requests import Chunk, Request, RequestTable
@@ -296,7 +296,7 @@ class CPAllocator:
         rid = check_rid(rid)
         check_salt(cache_salt)
         self._requests.check_not_lost(rid)
-        return self._extend_batch([rid], [as_token_array(token_ids)], cache_salt)[0]
+        return self._extend_batch([rid], [_new_tokens(token_ids, "token_ids")], cache_salt)[0]
 
     def allocate_extend_batch(
         self,
@@ -341,8 +341,7 @@ class CPAllocator:
         if len(set(rids)) != len(rids):
             raise InvalidRequestError(f"allocate_extend_batch got repeated rids: {rids}")
         tokens = [
-            as_token_array(t, name=f"token_ids[{rid!r}]")
-            for rid, (_, t) in zip(rids, items, strict=True)
+            _new_tokens(t, f"token_ids[{rid!r}]") for rid, (_, t) in zip(rids, items, strict=True)
         ]
         for rid in rids:  # lengths are checked where each step is planned
             self._requests.check_not_lost(rid)
@@ -597,7 +596,10 @@ class CPAllocator:
     ) -> Chunk:
         """Hash the pages that ``req``'s partial page plus ``tokens`` complete."""
         if req is None:
-            return Chunk.hashed(self._hasher, tokens, self._hasher.start(cache_salt), _EMPTY_I64)
+            start = self._hasher.start(cache_salt)
+            if isinstance(tokens, TokenDigest):
+                return Chunk.digested(self._hasher, tokens, start, _EMPTY_I64)
+            return Chunk.hashed(self._hasher, tokens, start, _EMPTY_I64)
         if cache_salt is not None and cache_salt != req.salt:
             raise InvalidRequestError(
                 f"rid={rid!r} was created with cache_salt={req.salt!r}, got {cache_salt!r}"
@@ -646,6 +648,13 @@ class CPAllocator:
             fallback_reason=plan.reason,
             cached_pages=_readonly(match.pages) if match is not None else _EMPTY_I32,
         )
+
+
+def _new_tokens(token_ids: object, name: str) -> np.ndarray | TokenDigest:
+    """A step's new tokens: int64 ids, or a client's digest of them (already checked)."""
+    if isinstance(token_ids, TokenDigest):
+        return token_ids
+    return as_token_array(token_ids, name=name)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ChainState", "PageHasher"]
+from cpkv.errors import InvalidRequestError
+
+__all__ = ["ChainState", "PageHasher", "TokenDigest"]
 
 _U32 = np.uint64(32)
 
@@ -46,6 +48,71 @@ class ChainState:
     """
 
     running: int
+
+
+@dataclass(slots=True, frozen=True, eq=False)
+class TokenDigest:
+    """New tokens as allocation needs them, hashed on the client's side: 8 bytes a full
+    page instead of 8 a token (:meth:`PageHasher.digest`).
+
+    The request held ``offset`` tokens in its partial last page when the client built it;
+    ``head`` fills that page, ``contents`` are the keyed contents of the full pages after
+    it, ``tail`` the tokens after those. The coordinator chains the contents on the
+    request's page chain; a digest built for another offset is refused
+    (:class:`cpkv.errors.StaleDigestError`) and the client sends the tokens instead.
+
+    Attributes:
+        page_size: tokens per page.
+        num_tokens: the new tokens, ``len(head) + page_size * len(contents) + len(tail)``.
+        offset: tokens in the request's partial page, in ``[0, page_size)``.
+        head: ``int64 [min(num_tokens, (page_size - offset) % page_size)]``.
+        contents: ``uint64 [m]`` (:meth:`PageHasher.contents`).
+        tail: ``int64 [r]``, ``r < page_size`` (empty when ``head`` is all there is).
+    """
+
+    page_size: int
+    num_tokens: int
+    offset: int
+    head: np.ndarray
+    contents: np.ndarray
+    tail: np.ndarray
+
+    def __post_init__(self) -> None:
+        ps, n = self.page_size, self.num_tokens
+        ok = (
+            isinstance(ps, int)
+            and isinstance(n, int)
+            and isinstance(self.offset, int)
+            and ps >= 1
+            and n >= 1
+            and 0 <= self.offset < ps
+        )
+        for name, a, dtype in (
+            ("head", self.head, np.int64),
+            ("contents", self.contents, np.uint64),
+            ("tail", self.tail, np.int64),
+        ):
+            if not (isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype == dtype):
+                raise InvalidRequestError(
+                    f"TokenDigest.{name} must be a 1-D {dtype.__name__} array"
+                )
+        ok = ok and self.head.shape[0] == min(n, (ps - self.offset) % ps)
+        ok = ok and self.tail.shape[0] < ps
+        ok = ok and n == self.head.shape[0] + ps * self.contents.shape[0] + self.tail.shape[0]
+        ok = ok and (self.head.shape[0] < n or self.tail.shape[0] == 0)
+        if not ok:
+            raise InvalidRequestError(
+                f"TokenDigest of {self.num_tokens!r} tokens at offset {self.offset!r} (page "
+                f"{self.page_size!r}) does not add up: head {self.head.shape}, contents "
+                f"{self.contents.shape}, tail {self.tail.shape}"
+            )
+        for name, a in (("head", self.head), ("tail", self.tail)):
+            if a.size and int(a.min()) < 0:
+                raise InvalidRequestError(f"TokenDigest.{name} holds a negative token id")
+
+    @property
+    def nbytes(self) -> int:
+        return self.head.nbytes + self.contents.nbytes + self.tail.nbytes
 
 
 class PageHasher:
@@ -84,22 +151,55 @@ class PageHasher:
         digest = hashlib.blake2b(data, digest_size=8, key=self._key[:64]).digest()
         return ChainState(int.from_bytes(digest, "little"))
 
+    @property
+    def key(self) -> bytes:
+        """The secret, for the coordinator's own clients only (trusted code, see the README's
+        threat model): they hash page contents on their side with it."""
+        return self._key
+
+    def digest(self, tokens: np.ndarray, offset: int) -> TokenDigest:
+        """What allocation needs of new ``tokens`` for a request holding ``offset`` tokens
+        in its partial page (see :class:`TokenDigest`).
+
+        Args:
+            tokens: ``int64 [n]`` contiguous, ``n >= 1``.
+            offset: tokens in the request's partial page, in ``[0, page_size)``.
+        """
+        ps, n = self.page_size, int(tokens.shape[0])
+        h = min(n, (ps - offset) % ps)
+        body = tokens[h:]
+        full = (body.shape[0] // ps) * ps
+        return TokenDigest(
+            ps, n, offset, tokens[:h].copy(), self.contents(body), body[full:].copy()
+        )
+
     def hash_pages(self, tokens: np.ndarray, state: ChainState) -> tuple[np.ndarray, ChainState]:
         """Hash the full pages of ``tokens`` that follow a chain at ``state``.
 
         Args:
-            tokens: contiguous ``int64 [n]`` ids starting at a page boundary; a partial last page is
+            tokens: ``int64 [n]`` ids starting at a page boundary; a partial last page is
                 ignored (hash it once it is full).
             state: the chain after the previous full page (:meth:`start` for the first).
 
         Returns:
             ``(uint64 [n // page_size] hashes, the chain state after them)``.
         """
+        return self.chain(self.contents(tokens), state)
+
+    def contents(self, tokens: np.ndarray) -> np.ndarray:
+        """The keyed content of each full page of ``tokens`` (no chain: a page's own ids).
+
+        Args:
+            tokens: ``int64 [n]`` contiguous ids starting at a page boundary; a partial
+                last page is ignored.
+
+        Returns:
+            ``uint64 [n // page_size]``.
+        """
         ps = self.page_size
         n = tokens.shape[0] // ps
         if n == 0:
-            return np.empty(0, dtype=np.uint64), state
-        # NOTE: ids are contiguous int64 from validate.as_token_array on; never converted here.
+            return np.empty(0, dtype=np.uint64)
         assert tokens.dtype == np.int64 and tokens.flags.c_contiguous, tokens.dtype
         body = tokens[: n * ps]
         # NOTE: uint64 matmul wraps mod 2**64, which is what the universal hash needs.
@@ -116,11 +216,25 @@ class PageHasher:
             sums[narrow] = pages[narrow] @ self._mult_narrow + self._add_narrow
             words = body.view(np.uint32).reshape(n, 2 * ps)[wide].astype(np.uint64)
             sums[wide] = words @ self._mult_wide + self._add_wide
-        content = (sums[:, 0] >> _U32) << _U32 | (sums[:, 1] >> _U32)
-        running = np.cumsum(content, dtype=np.uint64)
+        return (sums[:, 0] >> _U32) << _U32 | (sums[:, 1] >> _U32)
+
+    def chain(self, contents: np.ndarray, state: ChainState) -> tuple[np.ndarray, ChainState]:
+        """Chain page contents after ``state``: each hash speaks for its whole prefix.
+
+        Args:
+            contents: ``uint64 [n]`` from :meth:`contents`.
+            state: the chain after the previous full page.
+
+        Returns:
+            ``(uint64 [n] hashes, the chain state after them)``.
+        """
+        n = contents.shape[0]
+        if n == 0:
+            return np.empty(0, dtype=np.uint64), state
+        running = np.cumsum(contents, dtype=np.uint64)
         running += np.uint64(state.running)
         prev = np.empty(n, dtype=np.uint64)
         prev[0] = state.running
         prev[1:] = running[:-1]
-        hashes = content ^ (prev * self._chain)
+        hashes = contents ^ (prev * self._chain)
         return hashes, ChainState(int(running[-1]))

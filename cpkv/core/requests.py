@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpkv.core.layout import PageLayout
-from cpkv.core.page_hash import ChainState, PageHasher
+from cpkv.core.page_hash import ChainState, PageHasher, TokenDigest
 from cpkv.core.prefix_cache import PrefixMatch
 from cpkv.core.validate import check_rid
-from cpkv.errors import InvalidRequestError, LaneUnavailableError
+from cpkv.errors import InvalidRequestError, LaneUnavailableError, StaleDigestError
 
 __all__ = ["Chunk", "Request", "RequestTable"]
 
@@ -49,6 +49,32 @@ class Chunk:
         hashes, chain = hasher.hash_pages(seq, state)
         tail = seq[hashes.shape[0] * hasher.page_size :].copy()
         return cls(int(tokens.shape[0]), hashes, chain, tail)
+
+    @classmethod
+    def digested(
+        cls, hasher: PageHasher, digest: TokenDigest, state: ChainState, prev: np.ndarray
+    ) -> Chunk:
+        """:meth:`hashed`, from a client's digest of the tokens (their full pages hashed
+        on its side, with this coordinator's key).
+
+        Raises:
+            StaleDigestError: the digest was built for another fill of the partial page.
+        """
+        ps = hasher.page_size
+        if digest.page_size != ps or digest.offset != prev.shape[0]:
+            raise StaleDigestError(
+                f"token digest built for {digest.offset} tokens in the partial page (page "
+                f"{digest.page_size}); the request holds {prev.shape[0]} (page {ps})"
+            )
+        n = digest.num_tokens
+        if digest.head.shape[0] == n and prev.shape[0] + n < ps:  # the page stays partial
+            return cls(digest.num_tokens, _EMPTY_U64, state, np.concatenate([prev, digest.head]))
+        contents = digest.contents
+        if digest.head.size:  # the partial page, filled: hashed here from its tokens
+            first = hasher.contents(np.concatenate([prev, digest.head]))
+            contents = np.concatenate([first, contents])
+        hashes, chain = hasher.chain(contents, state)
+        return cls(digest.num_tokens, hashes, chain, digest.tail)
 
     @classmethod
     def unknown(cls, num_tokens: int) -> Chunk:
@@ -134,8 +160,13 @@ class Request:
             return -1, 0
         return self.last_slot(page_size) + 1, min(page_size - used, extend_len)
 
-    def next_chunk(self, hasher: PageHasher, tokens: np.ndarray) -> Chunk:
-        """The chunk of ``tokens`` appended to what this request holds."""
+    def next_chunk(self, hasher: PageHasher, tokens: np.ndarray | TokenDigest) -> Chunk:
+        """The chunk of ``tokens`` (or a client's digest of them) appended to what this
+        request holds."""
+        if isinstance(tokens, TokenDigest):
+            if self.tail is None or self.chain is None:
+                return Chunk.unknown(tokens.num_tokens)
+            return Chunk.digested(hasher, tokens, self.chain, self.tail)
         if self.tail is None or self.chain is None:
             return Chunk.unknown(int(tokens.shape[0]))
         return Chunk.hashed(hasher, tokens, self.chain, self.tail)
