@@ -2,7 +2,8 @@
 
 A page's identity is a 64-bit hash of its tokens, chained on every page before
 it and on the request's ``cache_salt``. The hash is keyed with a secret drawn
-from the OS at random for each coordinator, and it never leaves the coordinator:
+from the OS at random for each coordinator, given only to its own (trusted)
+clients, which hash their pages' contents with it (:class:`TokenDigest`):
 without the key, two different pages collide with probability 2**-64 whatever
 the attacker chose, even one who has read this code (vLLM's CVE-2025-25183 was a
 public, unkeyed hash; the one cpkv had before was public and linear).
