@@ -16,7 +16,7 @@ import pytest
 
 from cpkv.models.presets import small_config
 from cpkv.tools.demo import DemoConfig, Reference, rel_err, run
-from tests.conftest import GPUS_PER_LANE
+from tests.conftest import GPUS_PER_LANE, LANE_ENV
 
 pytestmark = pytest.mark.ray
 
@@ -102,6 +102,7 @@ def test_cli_demo_terminal_shows_only_cpkv_output():
     """``cpkv demo`` in its own process: stdout is the report, stderr is empty without the
     progress bar (no Ray warnings, no lane log lines, no Python warnings)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(LANE_ENV)  # as the session's lanes (see tests/conftest.py)
     cmd = [
         sys.executable,
         "-m",

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cpkv.coordinator.backend import choose_backend, device_id
 from cpkv.coordinator.channel import LaneChannel, LaneDeadError
 from cpkv.core.availability import LaneAvailability
+from cpkv.core.backend import choose_backend, device_id
 from cpkv.errors import KVCapacityWaitError
 
 __all__ = ["DEAD", "RESTARTING", "UP", "LaneSupervisor"]

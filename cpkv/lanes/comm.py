@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpkv.coordinator.backend import choose_backend
+from cpkv.core.backend import choose_backend
 from cpkv.lanes.clock import StreamClock
 from cpkv.lanes.ipc import ExchangeStats, IpcExchange
 

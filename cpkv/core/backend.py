@@ -1,6 +1,6 @@
 """Which collective backend the lanes' group uses: a pure decision on the lanes' devices.
 
-It lives beside the coordinator, which picks the backend before it builds a lane group,
+It is a decision of the core: the coordinator picks the backend before it builds a lane group,
 so the coordinator's process never imports torch (:mod:`cpkv.lanes.comm` builds the group).
 """
 

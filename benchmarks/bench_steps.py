@@ -1,0 +1,124 @@
+"""Step latency: what a tiny prefill and a decode step cost beside the rounds they are made of.
+
+For each cp: the median of a prefill of a few tokens (and its free), of one decode step of
+one request, of a bare parallel no-op round to the lanes and of a no-op call to the
+coordinator, all in this one run, on a model preset with random weights; the fixed cost of
+a step is what it takes over the rounds it cannot avoid (client -> coordinator -> lanes).
+
+    python benchmarks/bench_steps.py [--cp 1,4] [--model tiny] [--tokens 16] [--iters 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+
+def _median_ms(fn, iters: int) -> float:
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out) * 1e3
+
+
+def _point(args, cp: int) -> dict:
+    import ray
+
+    import cpkv
+    from cpkv.models import preset_config
+
+    config = preset_config(args.model)
+    client = cpkv.connect(
+        args.address,
+        cp_size=cp,
+        page_size=args.page_size,
+        num_pages_per_lane=256,
+        max_reqs=16,
+        max_context_len=4096,
+        num_gpus_per_lane=args.num_gpus_per_lane,
+        model=config,
+        model_seed=0,
+        dtype=config.dtype,
+        name=f"bench-steps-{cp}-{time.time_ns()}",
+    )
+    try:
+        rng = np.random.default_rng(0)
+        prompt = rng.integers(0, config.vocab_size, size=args.tokens)
+        n = iter(range(10**9))
+
+        def prefill_cycle():
+            rid = next(n)
+            client.prefill(rid, prompt)
+            client.free(rid, cache=False)
+
+        def prefill_only():
+            rid = next(n)
+            t0 = time.perf_counter()
+            client.prefill(rid, prompt)
+            dt = time.perf_counter() - t0
+            client.free(rid, cache=False)
+            return dt
+
+        client.prefill("d", prompt)
+        step = iter(range(10**9))
+
+        def decode_step():
+            client.decode(["d"], [int(next(step) % config.vocab_size)])
+
+        for _ in range(5):  # warm every path (kernels, actor method tables, serializers)
+            prefill_cycle()
+            decode_step()
+            client.ping_lanes()
+            ray.get(client._coord.ping.remote())
+        prefill_ms = statistics.median(prefill_only() for _ in range(args.iters)) * 1e3
+        decode_ms = _median_ms(decode_step, args.iters)
+        lanes_ms = _median_ms(client.ping_lanes, args.iters)
+        coord_ms = _median_ms(lambda: ray.get(client._coord.ping.remote()), args.iters)
+    finally:
+        client.shutdown()
+    floor = coord_ms + lanes_ms
+    return {
+        "cp_size": cp,
+        "tokens": args.tokens,
+        "prefill_ms": prefill_ms,
+        "decode_ms": decode_ms,
+        "lane_round_ms": lanes_ms,
+        "coordinator_round_ms": coord_ms,
+        "prefill_fixed_over_rounds_ms": prefill_ms - floor,
+        "decode_fixed_over_rounds_ms": decode_ms - floor,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cp", default="1,4", help="comma-separated cp sizes")
+    parser.add_argument("--model", default="tiny", help="a preset of cpkv.models")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--num-gpus-per-lane", type=float, default=None)
+    parser.add_argument("--address", default=None)
+    parser.add_argument("--json", help="write results here")
+    args = parser.parse_args()
+    rows = [_point(args, int(cp)) for cp in args.cp.split(",")]
+    print(f"model {args.model}, prompt {args.tokens} tokens; medians of {args.iters} in this run")
+    print("cp  prefill ms  decode ms  coordinator round ms  lane round ms  prefill-rounds ms")
+    for r in rows:
+        print(
+            f"{r['cp_size']:>2}  {r['prefill_ms']:>10.2f}  {r['decode_ms']:>9.2f}  "
+            f"{r['coordinator_round_ms']:>20.2f}  {r['lane_round_ms']:>13.2f}  "
+            f"{r['prefill_fixed_over_rounds_ms']:>17.2f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
