@@ -15,7 +15,13 @@ from cpkv import CPConfig, KVShape
 from cpkv.coordinator.coordinator import Coordinator
 from cpkv.core.reply_cache import DROPPED, ReplyCache
 from cpkv.core.steps import StepResult
-from cpkv.errors import InvalidRequestError, LeaseExpiredError, StepFailedError
+from cpkv.errors import (
+    InvalidRequestError,
+    KVCapacityWaitError,
+    LaneUnavailableError,
+    LeaseExpiredError,
+    StepFailedError,
+)
 from cpkv.lanes.shard import CACHED, NOT_YET, LaneShard
 
 from .local_lanes import LocalLaneTransport
@@ -280,3 +286,29 @@ def test_a_hung_lane_is_killed_and_reset_and_renewals_never_wait_for_it():
     stats = coord.stats()
     assert stats["hung_lanes"] == 1 and stats["lane_states"] == ["up", "up"]
     assert coord.check()["ok"]
+
+
+def test_a_failed_or_lost_request_says_so_while_lanes_restart():
+    """A step of a request that failed, or was lost with a lane, answers that (not a wait
+    for the lanes: waiting would never help it); a new request waits."""
+    coord, lanes = make()
+    coord.hello("a")
+    lanes.fail.add(1)
+    prefill(coord, "a", "failed", np.arange(1, 9))
+    prefill(coord, "a", "lost", np.arange(1, 33))  # pages on both lanes
+    restarting = KVCapacityWaitError(
+        "lane_unavailable",
+        required_by_owner=[0, 0],
+        available_by_owner=[0, 0],
+        deficit_by_owner=[0, 0],
+        reason="lane_unavailable",
+    )
+    coord._ensure_group = lambda: restarting
+    with coord._lock:
+        coord._core.drop_lane(1)
+    with pytest.raises(StepFailedError):
+        prefill(coord, "a", "failed", [3])
+    with pytest.raises(LaneUnavailableError):
+        ok(coord.decode(coord.epoch, "a", None, ["lost"], np.array([7])))
+    with pytest.raises(KVCapacityWaitError, match="lane_unavailable"):
+        prefill(coord, "a", "new", [3])

@@ -373,7 +373,8 @@ class Coordinator:
             self._settle_steps()  # a step that failed since: its group is rebuilt first
         group = self._ensure_group()
         if isinstance(group, CPKVError):
-            return group
+            # A request the step cannot continue says so before any wait for the lanes.
+            return self._request_error(client_id, op, requests) or group
 
         def decide_and_submit() -> dict:
             if op == "decode":
@@ -538,6 +539,22 @@ class Coordinator:
                 track = self._tracks.pop(key, None)
                 if track is not None and self._core.has_request(key):
                     self._failed[key] = (detail, track.written)
+
+    def _request_error(self, client_id: str | None, op: str, requests) -> CPKVError | None:
+        """What a step's requests answer whatever the lanes' state: lost with a lane
+        (LaneUnavailableError), failed (StepFailedError) or misnamed; ``None`` otherwise."""
+        try:
+            with self._lock:
+                if op == "decode":
+                    keys = self._keys(client_id, requests)
+                else:
+                    keys = [key for key, _ in self._keyed_items(client_id, requests)]
+                for key in keys:
+                    self._check_not_failed(key)
+                    self._core.check_not_lost(key)
+        except CPKVError as e:
+            return e
+        return None
 
     def _check_not_failed(self, key: Hashable) -> None:
         failed = self._failed.get(key)

@@ -225,6 +225,10 @@ class CPAllocator:
     def has_request(self, rid: Hashable) -> bool:
         return rid in self._requests
 
+    def check_not_lost(self, rid: Hashable) -> None:
+        """Raise LaneUnavailableError when ``rid`` was lost with a lane (until freed)."""
+        self._requests.check_not_lost(rid)
+
     def request_pages(self, rid: Hashable) -> np.ndarray:
         """``int32`` global page ids of ``rid`` in sequence order (cached prefix included;
         a read-only view)."""
