@@ -99,7 +99,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 def cpkv_prefill(config, cp: int, prompts: list[np.ndarray], ref: np.ndarray) -> dict:
     import cpkv
-    from cpkv.coordinator.coordinator import _device_id
+    from cpkv.core.backend import device_id as _device_id
     from cpkv.core.layout import PageLayout
     from cpkv.lanes.comm import choose_backend
     from cpkv.models.spec import ModelSpec
