@@ -21,7 +21,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Generator, Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -51,6 +51,8 @@ from cpkv.errors import (
     StaleDigestError,
     StepFailedError,
 )
+from cpkv.lane_io import LaneIO, actor_death
+from cpkv.results import PrefillResult, decode_output, prefill_results
 
 __all__ = ["CPKVClient", "PrefillResult", "connect"]
 
@@ -204,34 +206,6 @@ def connect(
     )
 
 
-@dataclass(slots=True)
-class PrefillResult:
-    """What a prefill step gives back.
-
-    Attributes:
-        logits: fp32 ``[vocab]`` of the last new token (``None`` for a probe step).
-        allocation: the step's :class:`ExtendAllocation` (``prefix_len`` shows prefix reuse).
-        lane_seconds: each lane's time for the whole step (its work plus its waits).
-        mode: the attention exchange the step ran (``pass_q`` / ``pass_kv``).
-        attention: probe steps only: fp32 ``[extend_len, Hq, D]`` attention outputs.
-        lane_wait_seconds: each lane's time inside the lanes' collectives (moving bytes and
-            waiting for slower lanes); ``lane_seconds - lane_wait_seconds`` is its own work.
-        lane_attention_seconds: each lane's time in CP attention (K/V store, exchanges and
-            kernels, all layers); the rest of ``lane_seconds`` is the model's other layers.
-        lane_exchange_bytes: bytes each lane received from the others in the step's CP
-            attention exchanges (all layers).
-    """
-
-    logits: np.ndarray | None
-    allocation: ExtendAllocation
-    lane_seconds: list[float]
-    mode: str | None
-    attention: np.ndarray | None = None
-    lane_wait_seconds: list[float] = field(default_factory=list)
-    lane_attention_seconds: list[float] = field(default_factory=list)
-    lane_exchange_bytes: list[int] = field(default_factory=list)
-
-
 class _LeaseKeeper:
     """Renews a client's lease every third of it, while the client lives.
 
@@ -340,6 +314,18 @@ class CPKVClient:
         # Per lane, the last page move the coordinator had queued at our last allocation.
         self._fence: list | None = None
         self._fence_lock = threading.Lock()
+        self._io = LaneIO(
+            self.lanes,
+            self._layout,
+            self.kv,
+            self.config.cp_size * self.config.num_pages_per_lane * self.config.page_size,
+            self._namespace_id,
+            self.timeout_s,
+            fence=_weakly(self._current_fence),
+            refresh_fence=_weakly(self._refresh_fence),
+            unwrap=_weakly(self._unwrap),
+            lane_lost=_weakly(self._lane_lost),
+        )
         self._lease = _LeaseKeeper(self, lease_s) if lease_s is not None else None
 
     @property
@@ -422,12 +408,20 @@ class CPKVClient:
             self._fence = fence if self._fence is None else _later_fence(self._fence, fence)
         return answer
 
+    def _current_fence(self) -> list | None:
+        """Per lane, the latest page move seen (``None``: no allocation answered yet)."""
+        return self._fence
+
+    def _refresh_fence(self) -> None:
+        """Take every page move the coordinator decided so far as the fence."""
+        self._take_fence((None, self._get(self._coord.lane_fence.remote(), "fence")))
+
     def _translate(self, e: Exception, what: str) -> Exception:
         """Ray's timeout and actor errors as cpkv's; anything else unchanged."""
         ray = self._ray
         if isinstance(e, (ray.exceptions.GetTimeoutError, asyncio.TimeoutError)):
             return RequestTimeoutError(f"{what}: no answer within {self.timeout_s}s")
-        if isinstance(e, _actor_death(ray)):
+        if isinstance(e, actor_death(ray)):
             self._lose_all()
             return CoordinatorUnavailableError(
                 f"{what}: coordinator died ({type(e).__name__})", self._take_lost()
@@ -827,12 +821,7 @@ class CPKVClient:
         for rid in rids:
             self._held.pop(rid, None)  # stepped: the next allocation sends token ids
         results = self._wait_step(out["lanes"], "decode", rids, call_id)
-        if probe is not None:
-            return _assemble_probe(results, len(rids))
-        rows = {}
-        for res in results:
-            rows.update(res.logits)
-        return np.stack([rows[i] for i in range(len(rids))])
+        return decode_output(results, len(rids), probe is not None)
 
     def generate(
         self,
@@ -870,26 +859,7 @@ class CPKVClient:
         self, out: dict, what: str, rids: list, call_id: Hashable = None
     ) -> list[PrefillResult]:
         results = self._wait_step(out["lanes"], what, rids, call_id)
-        allocs = out["allocations"]
-        logits: dict[int, np.ndarray] = {}
-        for res in results:
-            logits.update(res.logits)
-        lane_s = [res.compute_s for res in results]
-        wait_s = [res.wait_s for res in results]
-        attn_s = [res.attention_s for res in results]
-        xbytes = [res.exchange_bytes for res in results]
-        mode = results[0].mode
-        probe = None
-        if any(res.out is not None for res in results):
-            probe = _assemble_probe(results, sum(a.extend_len for a in allocs))
-        made, start = [], 0
-        for b, alloc in enumerate(allocs):
-            part = None if probe is None else probe[start : start + alloc.extend_len]
-            start += alloc.extend_len
-            made.append(
-                PrefillResult(logits.get(b), alloc, lane_s, mode, part, wait_s, attn_s, xbytes)
-            )
-        return made
+        return prefill_results(out["allocations"], results)
 
     def _wait_step(
         self, handles: list, what: str, rids: list, call_id: Hashable = None
@@ -921,7 +891,7 @@ class CPKVClient:
                 r = index[ref]
                 try:
                     results[r] = ray.get(ref)
-                except _actor_death(ray):
+                except actor_death(ray):
                     raise self._lane_lost(r, what, f"{what}: lane died") from None
                 except ray.exceptions.RayTaskError as e:
                     errors.append((r, e.as_instanceof_cause()))
@@ -932,29 +902,6 @@ class CPKVClient:
         return [results[r] for r in range(len(handles))]
 
     # ------------------------------------------------------------------- KV
-    def _check_kv(self, slots: np.ndarray, k, v) -> None:
-        import torch
-
-        want = (slots.shape[0], self.kv.num_heads, self.kv.head_dim)
-        dtype = getattr(torch, self.kv.dtype)
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise InvalidRequestError(f"{name} must be a torch.Tensor, got {type(t)!r}")
-            if tuple(t.shape) != want:
-                raise InvalidRequestError(f"{name} has shape {tuple(t.shape)}, expected {want}")
-            if t.dtype != dtype:
-                raise InvalidRequestError(f"{name} has dtype {t.dtype}, expected {dtype}")
-
-    def _slots(self, slots) -> np.ndarray:
-        arr = np.asarray(slots)
-        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise InvalidRequestError(f"slots must be 1-D integers, got {arr.dtype} {arr.shape}")
-        arr = arr.astype(np.int64, copy=False)
-        total = self.config.cp_size * self.config.num_pages_per_lane * self.config.page_size
-        if arr.size and (arr.min() < 0 or arr.max() >= total):
-            raise InvalidRequestError(f"slots span [{arr.min()}, {arr.max()}], valid [0, {total})")
-        return arr
-
     def store_kv(self, slots, k, v, layer: int = 0) -> None:
         """Write K/V of tokens at their global slots; each lane gets its own tokens.
 
@@ -969,90 +916,11 @@ class CPKVClient:
                 pages are read-only, other jobs' pages out of reach).
             LaneUnavailableError: a lane died; its requests are lost.
         """
-        slots = self._slots(slots)
-        self._check_kv(slots, k, v)
-        check_int("layer", layer, minimum=0)
-        if layer >= self.kv.num_layers:
-            raise InvalidRequestError(f"layer={layer} >= num_layers={self.kv.num_layers}")
-        calls = {}
-        for r, (idx, local) in enumerate(self._layout.split_slots(slots)):
-            if idx.size:
-                ti = _index(idx)
-                calls[r] = (self.lanes[r].store_kv, (local, k[ti], v[ti], layer))
-        self._lane_io(calls, "store_kv")
+        self._io.store_kv(slots, k, v, layer)
 
     def gather_kv(self, slots, layer: int = 0):
         """Read back K/V ``[T, heads, head_dim]`` at global slots (CPU tensors)."""
-        import torch
-
-        slots = self._slots(slots)
-        parts = self._layout.split_slots(slots)
-        calls = {
-            r: (self.lanes[r].gather_kv, (local, layer))
-            for r, (idx, local) in enumerate(parts)
-            if idx.size
-        }
-        got = self._lane_io(calls, "gather_kv")
-        dtype = getattr(torch, self.kv.dtype)
-        shape = (slots.shape[0], self.kv.num_heads, self.kv.head_dim)
-        k, v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
-        for r, (kr, vr) in got.items():
-            ti = _index(parts[r][0])
-            k[ti], v[ti] = kr, vr
-        return k, v
-
-    def _lane_io(self, calls: dict, what: str) -> dict:
-        """Run a K/V read or write on each lane, as this client's namespace, after the page
-        moves of our last allocation (a lane that has not applied them yet answers
-        ``NOT_YET``: asked again shortly, within ``timeout_s``)."""
-        from cpkv.lanes.shard import NOT_YET
-
-        out: dict = {}
-        end, pause = time.monotonic() + self.timeout_s, 0.001
-        refreshed = False
-        while calls:
-            fence = self._fence
-            refs = [
-                (r, method.remote(*args, self._namespace_id, None if fence is None else fence[r]))
-                for r, (method, args) in calls.items()
-            ]
-            try:
-                answers = self._wait_lanes(refs, what)
-            except InvalidRequestError as e:
-                if refreshed or "is free" not in str(e):
-                    raise
-                # Pages another client of our namespace was given may still be on their way
-                # to the lane: wait for every move decided so far, then ask once more.
-                self._take_fence((None, self._get(self._coord.lane_fence.remote(), "fence")))
-                refreshed = True
-                continue
-            for (r, _), res in zip(refs, answers, strict=True):
-                if not (isinstance(res, str) and res == NOT_YET):
-                    out[r] = res
-                    del calls[r]
-            if calls:
-                if time.monotonic() > end:
-                    raise RequestTimeoutError(
-                        f"{what}: lanes {sorted(calls)} did not get their page moves in "
-                        f"{self.timeout_s}s"
-                    )
-                time.sleep(pause)
-                pause = min(0.05, pause * 2)
-        return out
-
-    def _wait_lanes(self, refs: list, what: str) -> list:
-        ray = self._ray
-        out = []
-        for r, ref in refs:
-            try:
-                out.append(self._unwrap(ray.get(ref, timeout=self.timeout_s)))
-            except ray.exceptions.GetTimeoutError:
-                raise RequestTimeoutError(
-                    f"{what}: lane {r} silent for {self.timeout_s}s"
-                ) from None
-            except _actor_death(ray) as e:
-                raise self._lane_lost(r, what, f"{what}: {type(e).__name__}") from None
-        return out
+        return self._io.gather_kv(slots, layer)
 
     # ---------------------------------------------------------------- status
     def stats(self, lanes: bool = False) -> dict:
@@ -1077,13 +945,13 @@ class CPKVClient:
 
     def lane_info(self) -> list[dict]:
         """Each lane's node, device, GPU ids and own page counts."""
-        return self._wait_lanes(
+        return self._io.wait_lanes(
             [(r, lane.info.remote()) for r, lane in enumerate(self.lanes)], "lane_info"
         )
 
     def ping_lanes(self) -> None:
         """A bare parallel no-op round to every lane (the benchmarks' baseline)."""
-        self._wait_lanes([(r, lane.ping.remote()) for r, lane in enumerate(self.lanes)], "ping")
+        self._io.wait_lanes([(r, lane.ping.remote()) for r, lane in enumerate(self.lanes)], "ping")
 
     @property
     def live_rids(self) -> set:
@@ -1148,11 +1016,6 @@ def _with_backoff(
             backoff = min(max_backoff_s, backoff * 2)
 
 
-def _actor_death(ray) -> tuple[type[Exception], ...]:
-    """What Ray raises for a call on an actor that died or is restarting."""
-    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-
-
 def _retryable(e: RequestTimeoutError, call_id: Hashable) -> RequestTimeoutError:
     """The timeout of a call that may have taken effect, with the id that retries it safely."""
     return RequestTimeoutError(
@@ -1182,16 +1045,9 @@ def _hasher(config: CPConfig, hello: dict) -> PageHasher | None:
     return None if key is None else PageHasher(config.page_size, key)
 
 
-def _assemble_probe(results: list[StepResult], num_tokens: int) -> np.ndarray:
-    """Probe outputs of every lane's own tokens, back in step-token order."""
-    first = next(res.out for res in results if res.out is not None)
-    out = np.zeros((num_tokens, *first.shape[1:]), dtype=np.float32)
-    for res in results:
-        out[res.tokens] = res.out.numpy()
-    return out
-
-
-def _index(idx: np.ndarray):
-    import torch
-
-    return torch.from_numpy(idx)
+def _weakly(method: Callable[..., _T]) -> Callable[..., _T]:
+    """A bound method called through a weak reference to its object: a part the client owns
+    holds no reference back to it, so a dropped client is freed at once (and its lease stops
+    being renewed: see :class:`_LeaseKeeper`)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
