@@ -942,6 +942,7 @@ class CPKVClient:
         """Drop every request and cached page of the pool (all clients'); lanes emptied."""
         self._get(self._coord.reset.remote(), "reset")
         self._rids.clear()
+        self._held.clear()
 
     def lane_info(self) -> list[dict]:
         """Each lane's node, device, GPU ids and own page counts."""
@@ -974,6 +975,7 @@ class CPKVClient:
             with contextlib.suppress(Exception):  # the pool is gone already
                 self._ray.get(self._coord.close_lease.remote(self.client_id), timeout=5)
         self._rids.clear()
+        self._held.clear()
         if self._pool.owns_ray:
             self._ray.shutdown()
 

@@ -78,3 +78,18 @@ def test_a_retry_by_call_id_resends_what_was_first_sent(make_client):
     again = c.allocate_extend("r", np.arange(10), call_id="x")
     assert again.new_pages.tolist() == first.new_pages.tolist()
     assert c.stats()["extend_allocations"] == 1
+
+
+def test_after_a_reset_a_reused_rid_is_digested_as_new(make_client):
+    c = make_client()
+    c.allocate_extend("r", np.arange(7))  # 3 tokens in its partial page
+    c.reset()
+    real, c._coord = c._coord, ArgRecorder(c._coord)
+    try:
+        again = c.allocate_extend("r", np.arange(7))
+    finally:
+        recorded, c._coord = c._coord.calls, real
+    # One call, digested at offset 0: no stale digest, no second call with the ids.
+    sent = [args[4] for name, args in recorded if name == "allocate_extend"]
+    assert len(sent) == 1 and isinstance(sent[0], TokenDigest) and sent[0].offset == 0
+    assert (again.prefix_len, again.extend_len) == (0, 7)
