@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -390,3 +394,23 @@ def test_extend_is_a_batch_of_one():
         errors.append((str(info.value), info.value.reason))
     assert errors[0] == errors[1]
     assert errors[0][1] == "request_slots_exhausted" and "all 3 request slots" in errors[0][0]
+
+
+def test_the_decision_core_imports_neither_ray_nor_torch():
+    """Any process can hold the core (a client, a test, the coordinator) without Ray's or
+    torch's start-up cost: importing it and running an allocation loads neither."""
+    code = (
+        "import sys, numpy as np; from cpkv.core import CPAllocator; "
+        "a = CPAllocator(2, 4, 8, 2, 64); a.allocate_extend('r', np.arange(9)); "
+        "print(sorted(m for m in ('ray', 'torch', 'triton') if m in sys.modules))"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": root},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]", out.stdout
