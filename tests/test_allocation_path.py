@@ -11,38 +11,21 @@ import cpkv
 from cpkv.core.page_hash import TokenDigest
 
 from .conftest import DEFAULTS
+from .test_bad_input import CallRecorder
 
 pytestmark = pytest.mark.ray
-
-
-class ArgRecorder:
-    """Stands in for the coordinator handle; records each remote call's arguments."""
-
-    def __init__(self, real) -> None:
-        self._real = real
-        self.calls: list[tuple[str, tuple]] = []
-
-    def __getattr__(self, name):
-        method, calls = getattr(self._real, name), self.calls
-
-        class _Method:
-            def remote(self, *args, **kwargs):
-                calls.append((name, args))
-                return method.remote(*args, **kwargs)
-
-        return _Method()
 
 
 def test_an_allocation_sends_page_digests_not_token_ids(make_client):
     c = make_client()
     ps = DEFAULTS["page_size"]
     tokens = np.arange(1000, 1000 + 60 * ps + 3)
-    real, c._coord = c._coord, ArgRecorder(c._coord)
+    real, c._coord = c._coord, CallRecorder(c._coord)
     try:
         first = c.allocate_extend("r", tokens)
         more = c.allocate_extend("r", np.arange(7))  # continues the partial page
     finally:
-        recorded, c._coord = c._coord.calls, real
+        recorded, c._coord = c._coord.sent, real
     sent = [args[4] for name, args in recorded if name == "allocate_extend"]
     assert all(isinstance(d, TokenDigest) for d in sent)
     assert sent[0].nbytes < tokens.nbytes // ps + 8 * ps  # 8 bytes a page, plus the tail
@@ -84,11 +67,11 @@ def test_after_a_reset_a_reused_rid_is_digested_as_new(make_client):
     c = make_client()
     c.allocate_extend("r", np.arange(7))  # 3 tokens in its partial page
     c.reset()
-    real, c._coord = c._coord, ArgRecorder(c._coord)
+    real, c._coord = c._coord, CallRecorder(c._coord)
     try:
         again = c.allocate_extend("r", np.arange(7))
     finally:
-        recorded, c._coord = c._coord.calls, real
+        recorded, c._coord = c._coord.sent, real
     # One call, digested at offset 0: no stale digest, no second call with the ids.
     sent = [args[4] for name, args in recorded if name == "allocate_extend"]
     assert len(sent) == 1 and isinstance(sent[0], TokenDigest) and sent[0].offset == 0

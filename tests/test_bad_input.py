@@ -13,11 +13,13 @@ pytestmark = pytest.mark.ray
 
 
 class CallRecorder:
-    """Stands in for the coordinator handle and records every remote call."""
+    """Stands in for the coordinator handle and records every remote call: its name in
+    ``calls``, its name and positional arguments in ``sent``."""
 
     def __init__(self, real) -> None:
         self._real = real
         self.calls: list[str] = []
+        self.sent: list[tuple[str, tuple]] = []
 
     def __getattr__(self, name):
         method = getattr(self._real, name)
@@ -26,6 +28,7 @@ class CallRecorder:
         class _Method:
             def remote(self, *args, **kwargs):
                 recorder.calls.append(name)
+                recorder.sent.append((name, args))
                 return method.remote(*args, **kwargs)
 
         return _Method()

@@ -744,7 +744,6 @@ class Coordinator:
             for lane, state in enumerate(self._supervisor.states()):
                 if state != UP:
                     problems.append(f"lane {lane}: {state}")
-            self._channel.flush_releases()  # the counts compared below include them
             sent = self._supervisor.send_heartbeats()
         for r, known, _gen, reply in self._supervisor.replies(sent, self._timeout_s):
             if isinstance(reply, BaseException):  # a dead lane is a finding here, not a crash
@@ -768,7 +767,6 @@ class Coordinator:
         with self._lock:
             self._settle_lanes()
             expected = self._held_per_lane()
-            self._channel.flush_releases()  # the counts compared below include them
             sent = self._supervisor.send_heartbeats()
         self._supervisor.heartbeat(sent, expected, max(5.0, self._timeout_s))
         with self._lock:

@@ -228,7 +228,8 @@ class LaneSupervisor:
 
     # --------------------------------------------------------------- heartbeat
     def send_heartbeats(self) -> dict[int, tuple[str | None, str | None, Any]]:
-        """Queue a heartbeat to every serving lane, behind its page moves.
+        """Queue a heartbeat to every serving lane, behind its page moves (the releases held
+        back go first: the count a lane answers includes them).
 
         NOTE: the coordinator's lock is held, so the replies compare with its mirror as it
         is now.
@@ -236,6 +237,7 @@ class LaneSupervisor:
         Returns:
             per lane ``(incarnation known, generation, future of the reply)``.
         """
+        self._channel.flush_releases()
         with self._lock:
             return {
                 r: (

@@ -595,15 +595,12 @@ class CPAllocator:
         self,
         rid: Hashable,
         req: Request | None,
-        tokens: np.ndarray,
+        tokens: np.ndarray | TokenDigest,
         cache_salt: str | bytes | None,
     ) -> Chunk:
         """Hash the pages that ``req``'s partial page plus ``tokens`` complete."""
         if req is None:
-            start = self._hasher.start(cache_salt)
-            if isinstance(tokens, TokenDigest):
-                return Chunk.digested(self._hasher, tokens, start, _EMPTY_I64)
-            return Chunk.hashed(self._hasher, tokens, start, _EMPTY_I64)
+            return Chunk.of(self._hasher, tokens, self._hasher.start(cache_salt), _EMPTY_I64)
         if cache_salt is not None and cache_salt != req.salt:
             raise InvalidRequestError(
                 f"rid={rid!r} was created with cache_salt={req.salt!r}, got {cache_salt!r}"

@@ -51,6 +51,19 @@ class Chunk:
         return cls(int(tokens.shape[0]), hashes, chain, tail)
 
     @classmethod
+    def of(
+        cls,
+        hasher: PageHasher,
+        tokens: np.ndarray | TokenDigest,
+        state: ChainState,
+        prev: np.ndarray,
+    ) -> Chunk:
+        """:meth:`hashed` for token ids, :meth:`digested` for a client's digest of them."""
+        if isinstance(tokens, TokenDigest):
+            return cls.digested(hasher, tokens, state, prev)
+        return cls.hashed(hasher, tokens, state, prev)
+
+    @classmethod
     def digested(
         cls, hasher: PageHasher, digest: TokenDigest, state: ChainState, prev: np.ndarray
     ) -> Chunk:
@@ -163,13 +176,10 @@ class Request:
     def next_chunk(self, hasher: PageHasher, tokens: np.ndarray | TokenDigest) -> Chunk:
         """The chunk of ``tokens`` (or a client's digest of them) appended to what this
         request holds."""
-        if isinstance(tokens, TokenDigest):
-            if self.tail is None or self.chain is None:
-                return Chunk.unknown(tokens.num_tokens)
-            return Chunk.digested(hasher, tokens, self.chain, self.tail)
         if self.tail is None or self.chain is None:
-            return Chunk.unknown(int(tokens.shape[0]))
-        return Chunk.hashed(hasher, tokens, self.chain, self.tail)
+            n = tokens.num_tokens if isinstance(tokens, TokenDigest) else int(tokens.shape[0])
+            return Chunk.unknown(n)
+        return Chunk.of(hasher, tokens, self.chain, self.tail)
 
     def advance(self, num_tokens: int, chunk: Chunk | None, skip: int = 0) -> None:
         """Advance by ``num_tokens``; keep the hashes of the pages they complete.
