@@ -14,12 +14,14 @@ from cpkv.kernels.gather_kv import gather_kv
 from cpkv.kernels.merge_attn_states import merge_attn_states
 from cpkv.kernels.page_table import PagedKVTable
 from cpkv.kernels.paged_attention import paged_partial_attention
+from cpkv.kernels.paged_decode import paged_decode_attention
 from cpkv.kernels.store_kv import store_kv
 
 __all__ = [
     "PagedKVTable",
     "gather_kv",
     "merge_attn_states",
+    "paged_decode_attention",
     "paged_partial_attention",
     "store_kv",
 ]

@@ -11,7 +11,13 @@ import torch
 
 from cpkv.kernels.page_table import PagedKVTable
 
-__all__ = ["gather_kv", "merge_attn_states", "paged_partial_attention", "store_kv"]
+__all__ = [
+    "gather_kv",
+    "merge_attn_states",
+    "paged_decode_attention",
+    "paged_partial_attention",
+    "store_kv",
+]
 
 
 def store_kv(
@@ -108,6 +114,30 @@ def paged_partial_attention(
         lse_b = (m_safe + torch.log(s.clamp(min=1e-30))).squeeze(-1).transpose(0, 1)  # [Tb, Hq]
         lse[q0:q1] = torch.where(seen[:, None], lse_b, torch.full_like(lse_b, float("-inf")))
     return out, lse
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Reference for :func:`cpkv.kernels.paged_decode_attention`: one query per sequence over
+    the keys at positions ``0 .. seq_lens[b] - 1``, read through ``block_table``; fp32
+    ``[B, Hq, D]``."""
+    b, hq, d = q.shape
+    ps, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
+    for i, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n, device=q.device)
+        slots = block_table[i].to(torch.int64)[pos // ps] * ps + pos % ps
+        k = k_cache.reshape(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
+        v = v_cache.reshape(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
+        p = torch.softmax(torch.einsum("hd,khd->hk", q[i].float(), k) * sm_scale, dim=-1)
+        out[i] = torch.einsum("hk,khd->hd", p, v)
+    return out
 
 
 def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
