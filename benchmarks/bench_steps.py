@@ -1,9 +1,10 @@
 """Step latency: what a tiny prefill and a decode step cost beside the rounds they are made of.
 
 For each cp: the median of a prefill of a few tokens (and its free), of one decode step of
-one request, of a bare parallel no-op round to the lanes and of a no-op call to the
-coordinator, all in this one run, on a model preset with random weights; the fixed cost of
-a step is what it takes over the rounds it cannot avoid (client -> coordinator -> lanes).
+one request (with logits, and greedy: ids only), of a bare parallel no-op round to the lanes
+and of a no-op call to the coordinator, all in this one run, on a model preset with random
+weights. A prefill's fixed cost is its wall time less its slowest lane's step: the control
+path (client -> coordinator -> lanes -> client) with no lane computing.
 
     python benchmarks/bench_steps.py [--cp 1,4] [--model tiny] [--tokens 16] [--iters 40]
 """
@@ -60,10 +61,10 @@ def _point(args, cp: int) -> dict:
         def prefill_only():
             rid = next(n)
             t0 = time.perf_counter()
-            client.prefill(rid, prompt)
+            res = client.prefill(rid, prompt)
             dt = time.perf_counter() - t0
             client.free(rid, cache=False)
-            return dt
+            return dt, max(res.lane_seconds)
 
         client.prefill("d", prompt)
         step = iter(range(10**9))
@@ -71,12 +72,20 @@ def _point(args, cp: int) -> dict:
         def decode_step():
             client.decode(["d"], [int(next(step) % config.vocab_size)])
 
+        def decode_greedy():
+            client.decode_greedy(["d"], [int(next(step) % config.vocab_size)])
+
         for _ in range(5):  # warm every path (kernels, actor method tables, serializers)
             prefill_cycle()
             decode_step()
             client.ping_lanes()
             ray.get(client._coord.ping.remote())
-        prefill_ms = statistics.median(prefill_only() for _ in range(args.iters)) * 1e3
+        walls, lanes = zip(*(prefill_only() for _ in range(args.iters)), strict=True)
+        prefill_ms = statistics.median(walls) * 1e3
+        lane_ms = statistics.median(lanes) * 1e3
+        # The control path's own cost: the wall time no lane was computing.
+        fixed_ms = statistics.median(w - s for w, s in zip(walls, lanes, strict=True)) * 1e3
+        greedy_ms = _median_ms(decode_greedy, args.iters)
         decode_ms = _median_ms(decode_step, args.iters)
         lanes_ms = _median_ms(client.ping_lanes, args.iters)
         coord_ms = _median_ms(lambda: ray.get(client._coord.ping.remote()), args.iters)
@@ -87,7 +96,10 @@ def _point(args, cp: int) -> dict:
         "cp_size": cp,
         "tokens": args.tokens,
         "prefill_ms": prefill_ms,
+        "prefill_lane_ms": lane_ms,
+        "prefill_fixed_ms": fixed_ms,
         "decode_ms": decode_ms,
+        "decode_greedy_ms": greedy_ms,
         "lane_round_ms": lanes_ms,
         "coordinator_round_ms": coord_ms,
         "prefill_fixed_over_rounds_ms": prefill_ms - floor,
@@ -108,13 +120,18 @@ def main() -> None:
     args = parser.parse_args()
     rows = [_point(args, int(cp)) for cp in args.cp.split(",")]
     print(f"model {args.model}, prompt {args.tokens} tokens; medians of {args.iters} in this run")
-    print("cp  prefill ms  decode ms  coordinator round ms  lane round ms  prefill-rounds ms")
+    print(
+        "cp  prefill ms  its lanes' step ms  prefill fixed ms  decode ms  decode_greedy ms  "
+        "coordinator round ms  lane round ms"
+    )
     for r in rows:
         print(
-            f"{r['cp_size']:>2}  {r['prefill_ms']:>10.2f}  {r['decode_ms']:>9.2f}  "
-            f"{r['coordinator_round_ms']:>20.2f}  {r['lane_round_ms']:>13.2f}  "
-            f"{r['prefill_fixed_over_rounds_ms']:>17.2f}"
+            f"{r['cp_size']:>2}  {r['prefill_ms']:>10.2f}  {r['prefill_lane_ms']:>18.2f}  "
+            f"{r['prefill_fixed_ms']:>16.2f}  {r['decode_ms']:>9.2f}  "
+            f"{r['decode_greedy_ms']:>16.2f}  {r['coordinator_round_ms']:>20.2f}  "
+            f"{r['lane_round_ms']:>13.2f}"
         )
+    print("prefill fixed ms: the prefill's wall time less its slowest lane's step (median)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -52,7 +52,7 @@ from cpkv.errors import (
     StepFailedError,
 )
 from cpkv.lane_io import LaneIO, actor_death
-from cpkv.results import PrefillResult, decode_output, prefill_results
+from cpkv.results import PrefillResult, decode_output, decode_samples, prefill_results
 
 __all__ = ["CPKVClient", "PrefillResult", "connect"]
 
@@ -812,15 +812,42 @@ class CPKVClient:
         Raises:
             As :meth:`prefill`.
         """
+        return self._decode_step(rids, token_ids, mode, probe, deadline_s, call_id, False)
+
+    def decode_greedy(
+        self,
+        rids: Sequence[Hashable],
+        token_ids,
+        *,
+        mode: str | None = None,
+        deadline_s: float | None = None,
+        call_id: Hashable | None = None,
+    ) -> np.ndarray:
+        """:meth:`decode`, answering each request's greedy next token: the lanes take the
+        argmax, so only ids come back (a 1B model's logits are 0.5 MB a row).
+
+        Returns:
+            ``int64 [len(rids)]`` the next token of each request.
+
+        Raises:
+            As :meth:`decode`.
+        """
+        return self._decode_step(rids, token_ids, mode, None, deadline_s, call_id, True)
+
+    def _decode_step(self, rids, token_ids, mode, probe, deadline_s, call_id, sample: bool):
         rids, toks = self._decode_args(rids, token_ids, step=probe is None)
         if toks is None:
             raise InvalidRequestError("decode needs the token id of every request")
         mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
-        out = self._step("decode", rids, toks, mode, probe, call_id=call_id, deadline_s=deadline_s)
+        out = self._step(
+            "decode", rids, toks, mode, probe, sample, call_id=call_id, deadline_s=deadline_s
+        )
         for rid in rids:
             self._held.pop(rid, None)  # stepped: the next allocation sends token ids
         results = self._wait_step(out["lanes"], "decode", rids, call_id)
+        if sample:
+            return decode_samples(results, len(rids))
         return decode_output(results, len(rids), probe is not None)
 
     def generate(
@@ -841,7 +868,7 @@ class CPKVClient:
         logits = self.prefill(rid, token_ids, cache_salt=cache_salt).logits
         out = [int(np.argmax(logits))]
         while len(out) < max_new_tokens and out[-1] != eos_token_id:
-            out.append(int(np.argmax(self.decode([rid], [out[-1]])[0])))
+            out.append(int(self.decode_greedy([rid], [out[-1]])[0]))
         return out
 
     def _step(self, method: str, *args, call_id: Hashable, deadline_s: float | None = None):

@@ -14,7 +14,7 @@ import numpy as np
 from cpkv.core.allocator import ExtendAllocation
 from cpkv.core.steps import StepResult
 
-__all__ = ["PrefillResult", "decode_output", "prefill_results"]
+__all__ = ["PrefillResult", "decode_output", "decode_samples", "prefill_results"]
 
 
 @dataclass(slots=True)
@@ -78,6 +78,14 @@ def decode_output(results: list[StepResult], num_rids: int, probe: bool) -> np.n
     for res in results:
         rows.update(res.logits)
     return np.stack([rows[i] for i in range(num_rids)])
+
+
+def decode_samples(results: list[StepResult], num_rids: int) -> np.ndarray:
+    """A sampling decode step's answer: ``int64 [num_rids]`` next tokens from the lanes."""
+    ids = {}
+    for res in results:
+        ids.update(res.next_tokens)
+    return np.array([ids[i] for i in range(num_rids)], dtype=np.int64)
 
 
 def _assemble_probe(results: list[StepResult], num_tokens: int) -> np.ndarray:

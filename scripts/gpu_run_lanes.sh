@@ -12,6 +12,7 @@
 #   attention  bench_attention.py (kernels against SDPA, split ablation)
 #   bench      cpkv bench --prefill, 1B shape at $BENCH_CONTEXT, lanes packed on the GPU
 #   steps      bench_steps.py: a tiny prefill's and a decode step's latency, 1B shape, cp 1 and 4
+#   decode     bench_decode_gpu.py: decode steps (CUDA graphs at cp=1) against transformers
 #   tests      pytest $TEST_ARGS
 set -uo pipefail
 . "$(dirname "$0")/_gpu_env.sh"
@@ -35,6 +36,8 @@ for s in $STEPS; do
       --no-progress --out "$OUT/bench" ;;
     steps) step ${STEPS_S:-150} steps.txt python3 benchmarks/bench_steps.py --cp 1,4 \
       --model llama-3.2-1b --num-gpus-per-lane 0.25 --iters 30 --json "$OUT/steps.json" ;;
+    decode) step ${DECODE_S:-300} decode.txt python3 benchmarks/bench_decode_gpu.py \
+      --contexts ${DECODE_CONTEXTS:-4096,32768} --json "$OUT/decode.json" ;;
     tests) step ${TESTS_S:-170} tests.txt python3 -m pytest -q -p no:cacheprovider -W ignore \
       --durations=8 ${TEST_ARGS:-tests/test_attention_kernels.py tests/test_cp_attention.py tests/test_lane_attention.py tests/test_lane_model.py} ;;
     *) echo "unknown step $s" >&2; exit 2 ;;

@@ -332,16 +332,21 @@ class Coordinator:
         token_ids,
         mode: str = "auto",
         probe=None,
+        sample: bool = False,
     ) -> Any:
         """One token for each request, and a decode step on the lanes (pass-Q).
+
+        Args:
+            sample: the lanes answer greedy next tokens instead of logits.
 
         Returns:
             ``{"slots": int64 [len(rids)], "lanes": [handle per lane]}``, or the error.
         """
-        digest = _digest("decode_step", _rids_digest(rids), token_ids, mode)
+        digest = _digest("decode_step", _rids_digest(rids), token_ids, mode, bool(sample))
         return self._run_step(
-            epoch, client_id, call_id, "decode", digest, mode, probe, rids, token_ids=token_ids
-        )
+            epoch, client_id, call_id, "decode", digest, mode, probe, rids, token_ids=token_ids,
+            sample=bool(sample),
+        )  # fmt: skip
 
     def _run_step(
         self,
@@ -355,6 +360,7 @@ class Coordinator:
         requests,
         cache_salt=None,
         token_ids=None,
+        sample: bool = False,
     ) -> Any:
         """:meth:`_call` whose decision is followed by one step on every lane; the answer
         holds each lane's handle to its step result.
@@ -391,7 +397,7 @@ class Coordinator:
                 seqs = self._extend_sequences(allocs, tokens)
             self._dispatch(op, client_id)  # NOTE: the page moves are queued before the step
             self._step_count += 1
-            step = StepRequest(self._step_count, group, tuple(seqs), mode, probe)
+            step = StepRequest(self._step_count, group, tuple(seqs), mode, probe, sample)
             shared = self._share(step)
             handles = [self._channel.submit(r, "step", shared) for r in range(self.config.cp_size)]
             self._track_step(step, handles)

@@ -110,6 +110,8 @@ class StepRequest:
             ``[R, Hkv, D]``, ``[R, Hkv, D]``, rows as the caller gave tokens (a sequence's new
             tokens from its ``probe_start``); each lane attends its own tokens (layer 0) and
             returns their outputs.
+        sample: the lanes answer each sequence's greedy next token instead of its logits
+            (only ids leave the devices).
     """
 
     step_id: int
@@ -117,6 +119,7 @@ class StepRequest:
     sequences: tuple[StepSequence, ...]
     mode: str = "auto"
     probe: tuple | None = None
+    sample: bool = False
 
     def __post_init__(self) -> None:
         # NOTE: the coordinator checked the mode (check_mode) before deciding the step.
@@ -158,6 +161,10 @@ class StepResult:
         out: probe steps: ``fp32 [num_tokens, Hq, D]`` attention outputs of this lane's tokens
             (a CPU ``torch.Tensor``); ``None`` otherwise.
         tokens: probe steps: ``int64 [num_tokens]`` the step indices of those rows.
+        next_tokens: sampling steps: ``{b: id}`` the greedy next token of the sequences whose
+            last new token this lane computed (``logits`` is then empty).
+        graph: the step replayed a recorded CUDA graph (``attention_s`` is then 0: a graph's
+            sections are not timed apart).
     """
 
     num_tokens: int
@@ -169,3 +176,5 @@ class StepResult:
     logits: dict[int, Any] = field(default_factory=dict)
     out: Any = None
     tokens: np.ndarray | None = None
+    next_tokens: dict[int, int] = field(default_factory=dict)
+    graph: bool = False

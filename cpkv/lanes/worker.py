@@ -21,6 +21,7 @@ from cpkv.core.steps import StepRequest, StepResult
 from cpkv.lanes.attention import CPAttention
 from cpkv.lanes.clock import StreamClock
 from cpkv.lanes.comm import LaneGroup, free_port
+from cpkv.lanes.decode_graph import DecodeGraphs
 from cpkv.lanes.shard import LaneShard
 from cpkv.lanes.step import StepPlan
 
@@ -68,7 +69,15 @@ class LaneWorker:
             pool that only stores K/V (probe steps still run).
     """
 
-    def __init__(self, lane: int, cp_size: int, device: torch.device, model: Any = None) -> None:
+    def __init__(
+        self,
+        lane: int,
+        cp_size: int,
+        device: torch.device,
+        model: Any = None,
+        *,
+        decode_graphs: bool = True,
+    ) -> None:
         self.lane = lane
         self.cp_size = cp_size
         self.device = device
@@ -77,6 +86,10 @@ class LaneWorker:
         self.group_id: str | None = None
         self._last_step = -1
         self._attention_clock = StreamClock()
+        # Decode steps of a cp=1 lane run through recorded graphs (CUDA) or the same static-
+        # buffer step eagerly (CPU); cp > 1 decode exchanges between lanes and runs eagerly.
+        self._use_decode_graphs = decode_graphs and cp_size == 1 and model is not None
+        self._decode_graphs: DecodeGraphs | None = None
 
     # ------------------------------------------------------------------ group
     def rendezvous_address(self) -> tuple[str, int]:
@@ -175,6 +188,8 @@ class LaneWorker:
         self.group.take_wait_seconds()  # drop what measure() or an earlier failure left
         self._attention_clock.take()
         t0 = time.perf_counter()
+        if self._use_decode_graphs and step.probe is None and DecodeGraphs.accepts(step.sequences):
+            return self._graph_decode(shard, step, t0)
         plan = StepPlan.build(step.sequences, self.cp_size, shard.page_size, self.lane)
         attn = CPAttention(self.group, plan, step.mode)
         logits, out, tokens = {}, None, None
@@ -185,6 +200,10 @@ class LaneWorker:
             logits = self._forward(shard, plan, attn, step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        next_tokens = {}
+        if step.sample:
+            next_tokens = {b: int(np.argmax(row)) for b, row in logits.items()}
+            logits = {}
         return StepResult(
             num_tokens=int(plan.num_mine),
             compute_s=time.perf_counter() - t0,
@@ -195,6 +214,29 @@ class LaneWorker:
             logits=logits,
             out=out,
             tokens=tokens,
+            next_tokens=next_tokens,
+        )
+
+    def _graph_decode(self, shard: LaneShard, step: StepRequest, t0: float) -> StepResult:
+        """A cp=1 decode step through the recorded graph of its batch bucket."""
+        graphs = self._decode_graphs
+        if graphs is None or graphs.k_cache[0] is not shard.k[0]:
+            # NOTE: graphs write the shard's tensors in place; a re-sized shard needs new ones.
+            self._decode_graphs = graphs = DecodeGraphs(
+                self.model, shard.k, shard.v, capture=self.device.type == "cuda"
+            )
+        logits, ids = graphs.run(step.sequences, sample=step.sample)
+        n = len(step.sequences)
+        return StepResult(
+            num_tokens=n,
+            compute_s=time.perf_counter() - t0,
+            wait_s=0.0,
+            attention_s=0.0,
+            mode="pass_q",
+            exchange_bytes=0,
+            logits={} if logits is None else {b: logits[b] for b in range(n)},
+            next_tokens={b: int(ids[b]) for b in range(n)} if step.sample else {},
+            graph=graphs.capture,
         )
 
     def _probe(

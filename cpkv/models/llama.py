@@ -453,6 +453,10 @@ class LlamaModel:
         self._rope_cache = (positions, positions._version, cos, sin)
         return cos, sin
 
+    def forget_rotary(self) -> None:
+        """Drop the kept RoPE tables (a CUDA graph must compute its own from its buffers)."""
+        self._rope_cache = None
+
     def attention_inputs(
         self, layer: int, hidden: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
