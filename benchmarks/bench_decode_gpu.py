@@ -120,13 +120,18 @@ def _lane_steps(worker, shard, pages, prompts, batches: list[int], steps: int) -
     ids = iter(range(1, 10**9))
     n_seq, ctx = prompts.shape
     lens = [ctx] * n_seq
-    seqs = [StepSequence(0, ctx, pages[r], prompts[r]) for r in range(n_seq)]
+    ps = shard.page_size
+
+    def upto(r: int, n: int) -> np.ndarray:  # the pages holding n tokens
+        return pages[r][: -(-n // ps)]
+
+    seqs = [StepSequence(0, ctx, upto(r, ctx), prompts[r]) for r in range(n_seq)]
     worker.step(shard, StepRequest(next(ids), "g", tuple(seqs)))
     out = {}
     for b in batches:
 
         def step(b=b):
-            s = [StepSequence(lens[r], 1, pages[r], np.array([7])) for r in range(b)]
+            s = [StepSequence(lens[r], 1, upto(r, lens[r] + 1), np.array([7])) for r in range(b)]
             worker.step(shard, StepRequest(next(ids), "g", tuple(s), sample=True))
             for r in range(b):
                 lens[r] += 1
