@@ -107,6 +107,8 @@ def scenarios(cp: int, ps: int) -> dict[str, list[tuple[int, int]]]:
         "batch": [(0, ps + 3), (ps + 1, 5), (2 * ps, 2 * ps + 1), (7, 1)],
         # decode: one token per request
         "decode": [(5, 1), (ps, 1), (3 * ps + 2, 1), (0, 1), (1, 1)],
+        # fresh requests only (at cp=1 the SDPA route: each request's keys are its tokens)
+        "fresh_batch": [(0, ps + 3), (0, 5), (0, 1)],
         # one short request: most lanes own no token and hold no key of it
         "tiny": [(0, 3)],
         "tiny_decode": [(2, 1)],
@@ -414,6 +416,19 @@ def test_world_size_1_in_process() -> None:
     assert not failures, "\n".join(failures)
     assert all(r["bytes"] == 0 and r["wait_s"] == 0 for r in results)
     group.destroy()
+    group.destroy()
+
+
+def test_one_lane_attends_fresh_requests_with_sdpa_and_the_rest_paged() -> None:
+    group = LaneGroup.create(0, 1)
+    pages = (np.array([1, 2]), np.array([3, 4]))
+
+    def attention(prefixes: tuple[int, int]) -> CPAttention:
+        seqs = [StepSequence(p, 5, pg) for p, pg in zip(prefixes, pages, strict=True)]
+        return CPAttention(group, StepPlan.build(seqs, 1, 4, 0), "auto")
+
+    assert attention((0, 0))._dense
+    assert not attention((0, 1))._dense  # a cached prefix lives in the shard: paged
     group.destroy()
 
 

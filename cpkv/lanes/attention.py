@@ -31,6 +31,11 @@ by the owner), then exchanges and attends:
     takes ``pass_q`` (pass_kv would do the same history round *plus* the K/V gather); decode
     (one token per request, long history) takes ``pass_q``.
 
+One lane and no cached prefix (a cp=1 prefill of new requests): each request's keys are its
+own new tokens, contiguous and in order, so the lane attends them with torch SDPA where they
+are (the call transformers makes; cuDNN on Hopper) after writing them to its shard; every
+other step reads the shard through the paged kernel.
+
 Every lane must construct the attention with the same mode and call ``forward`` at the same
 points with the same dtypes and head shapes: the exchanges are collectives, and ``auto`` relies
 on every lane computing the same decision from the same global plan and agreed link numbers.
@@ -39,10 +44,12 @@ Lanes owning no token of a step still take part in every collective.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from cpkv import kernels
 from cpkv.core.steps import MODES, check_mode
@@ -240,6 +247,11 @@ class CPAttention:
         self.exchange_bytes = 0
         self._device_plans: dict[torch.device, _DevicePlan] = {}
         self._auto: dict[tuple[int, ...], tuple[str, dict[str, float]]] = {}
+        # One lane and no cached prefix: each request's keys are exactly its new tokens, in
+        # order, so torch SDPA attends them where they are (cuDNN on Hopper); the paged kernel
+        # serves every other step.
+        self._dense = plan.cp_size == 1 and not plan.prefix_lens.any()
+        self._dense_bounds = [int(c) for c in plan.cu_tokens]
 
     # --- setup ---
 
@@ -426,6 +438,21 @@ class CPAttention:
         lses = torch.cat([lse_new[None], lses_h])
         return kernels.merge_attn_states(outs, lses)[0]
 
+    def _dense_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
+    ) -> torch.Tensor:
+        """Causal SDPA of each request's new tokens over themselves (see ``_dense``), in
+        ``q``'s dtype: the same call transformers makes (GQA in SDPA, no mask)."""
+        outs = []
+        bounds = self._dense_bounds
+        for t0, t1 in itertools.pairwise(bounds):
+            qb, kb, vb = (x[t0:t1].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, T, D]
+            o = F.scaled_dot_product_attention(
+                qb, kb, vb, is_causal=True, scale=sm_scale, enable_gqa=True
+            )
+            outs.append(o[0].transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     # --- entry point ---
 
     def forward(
@@ -466,6 +493,8 @@ class CPAttention:
         # (2) exchange and attend.
         mode = self._decide(q, k)
         self.last_mode = mode
+        if self._dense:
+            return self._dense_attention(q, k, v, sm_scale)
         if mode == "pass_kv":
             return self._pass_kv(dp, k_shard, v_shard, q, k, v, sm_scale)
         # At cp_size 1 the one partial is the whole attention: it comes in q's dtype.
