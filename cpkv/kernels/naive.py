@@ -16,6 +16,8 @@ __all__ = [
     "merge_attn_states",
     "paged_decode_attention",
     "paged_partial_attention",
+    "rms_norm",
+    "rope_qkv",
     "store_kv",
 ]
 
@@ -162,3 +164,27 @@ def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Ten
     out = parts.sum(dim=0) / s.clamp(min=1e-30)[..., None]
     lse = torch.where(s > 0, m_safe + torch.log(s.clamp(min=1e-30)), torch.full_like(s, -torch.inf))
     return out, lse
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference for :func:`cpkv.kernels.rms_norm` (transformers' ``LlamaRMSNorm``)."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference for :func:`cpkv.kernels.rope_qkv` (transformers' ``apply_rotary_pos_emb``)."""
+    t, d = qkv.shape[0], cos.shape[1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q, k = q.view(t, num_heads, d), k.view(t, num_kv_heads, d)
+    c, s = cos[:, None, :], sin[:, None, :]
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
+
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
+    return q, k, v.reshape(t, num_kv_heads, d).contiguous()

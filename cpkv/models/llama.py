@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cpkv import kernels
 from cpkv.models.config import ModelConfig
 from cpkv.models.weights import (
     IGNORED_SUFFIXES,
@@ -94,7 +95,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Whether the fused Triton kernels run this tensor's ops (CUDA: one kernel where torch
+    launches ~7 or ~11, which is what a decode step pays per kernel; never the interpreter)."""
+    return x.is_cuda and kernels.HAS_TRITON
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _fused(x):
+        return kernels.rms_norm(x, weight, eps)
     # NOTE: transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the
     # model dtype (not scale-then-cast).
     dtype = x.dtype
@@ -486,9 +495,11 @@ class LlamaModel:
         t, d = hidden.shape[0], c.head_dim
         x = _rms_norm(hidden, w.input_norm, c.rms_norm_eps)
         qkv = F.linear(x, w.qkv_weight, w.qkv_bias)
+        cos, sin = self.rotary(positions)
+        if _fused(qkv):
+            return kernels.rope_qkv(qkv, cos, sin, c.num_heads, c.num_kv_heads)
         q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         q, k = q.view(t, c.num_heads, d), k.view(t, c.num_kv_heads, d)
-        cos, sin = self.rotary(positions)
         cos, sin = cos[:, None, :], sin[:, None, :]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
