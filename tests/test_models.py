@@ -555,3 +555,35 @@ def test_random_is_deterministic_per_seed():
     assert torch.equal(
         half.state_dict()["model.embed_tokens.weight"], a["model.embed_tokens.weight"].bfloat16()
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_on_cuda_with_the_fused_kernels_matches_transformers(tmp_path, prompt, monkeypatch):
+    """On CUDA the model normalises and rotates with its fused kernels: with the same SDPA
+    attention, its logits equal transformers' to bf16 noise, and its own unfused path's."""
+    import torch.nn.functional as F
+
+    from cpkv.models import llama as llama_mod
+
+    build_hf("llama", seed=4).save_pretrained(tmp_path, safe_serialization=True)
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
+    hf = hf.to("cuda").eval()
+    model = LlamaModel.from_dir(tmp_path, dtype="bfloat16", device="cuda")
+    ids, pos = prompt.cuda(), torch.arange(prompt.numel(), device="cuda")
+
+    def sdpa(layer, q, k, v):
+        qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    fused = model.logits(model.forward(ids, pos, sdpa))
+    assert rel_err(fused, ref) < 2e-2
+    monkeypatch.setattr(llama_mod, "_fused", lambda x: False)
+    model.forget_rotary()
+    unfused = model.logits(model.forward(ids, pos, sdpa))
+    assert rel_err(fused, unfused) < 2e-2
