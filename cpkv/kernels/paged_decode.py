@@ -92,7 +92,9 @@ if HAS_TRITON:
         n_splits = tl.num_programs(2)
         seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
         # Whole tiles per split, so only a split's last tile (the sequence's end) is partial.
-        per_split = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+        # NOTE: plain integer arithmetic, not tl.cdiv (a jit helper of triton's own: a kernel
+        # rebuilt for the interpreter after triton was imported compiled cannot call it).
+        per_split = ((seq_len + n_splits - 1) // n_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         start = split * per_split
         end = tl.minimum(start + per_split, seq_len)
 
@@ -109,8 +111,8 @@ if HAS_TRITON:
         table = table_ptr + seq.to(tl.int64) * stride_tb
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
+        acc = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
         for row0 in range(start, end, BLOCK_N):
             rows = row0 + tl.arange(0, BLOCK_N)
             ok = rows < end
