@@ -106,3 +106,23 @@ def test_graphs_take_decode_steps_only():
     assert not DecodeGraphs.accepts([StepSequence(4, 2, np.array([1]), np.array([3, 4]))])
     assert not DecodeGraphs.accepts([StepSequence(4, 1, np.array([1]))])  # no token ids
     assert not DecodeGraphs.accepts(one * (BATCH_BUCKETS[-1] + 1))
+
+
+def test_a_new_shard_gets_new_graphs(lanes):
+    """The graphs write the shard's tensors in place: a shard re-made at a reset (another
+    size) must not be written through graphs recorded over the old one."""
+    graph, _, device = lanes
+    prompt, pages = [5, 6, 7], list(range(1, 9))
+    graph.step([seq(pages, 0, prompt)])
+    graph.step([seq(pages, 3, [1])])
+    old = graph.worker._decode_graphs
+    assert old is not None and old.k_cache[0] is graph.shard.k[0]
+    c = graph.worker.model.config
+    graph.shard = LaneShard(
+        0, 32, PAGE, KVShape(c.num_layers, c.num_kv_heads, c.head_dim, c.dtype), device
+    )
+    graph.step([seq(pages, 0, prompt)])
+    graph.step([seq(pages, 3, [1])])
+    new = graph.worker._decode_graphs
+    assert new is not old and new.k_cache[0] is graph.shard.k[0]
+    assert new.num_pages == 32
