@@ -185,6 +185,17 @@ if HAS_TRITON:
         return acc, l_i, m_new
 
     @triton.jit
+    def finish_softmax(acc, l_i, m_i):
+        # The online softmax's end: (out normalised over the keys seen, natural-log LSE); rows
+        # that saw no key give 0 and -inf. m_i is in the exp2 domain.
+        seen = l_i > 0.0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(
+            seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf")
+        )
+        return out, lse
+
+    @triton.jit
     def _paged_attention_kernel(
         q_ptr,  # [Tq, Hq, D], unit stride on D
         q_pos_ptr,  # [Tq] int64
@@ -303,12 +314,7 @@ if HAS_TRITON:
                 BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST,
             )  # fmt: skip
 
-        seen = l_i > 0.0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        # exp2-domain max + log2(sum) -> natural log.
-        lse = tl.where(
-            seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf")
-        )
+        out, lse = finish_softmax(acc, l_i, m_i)
         o_row = tok64 * N_HEADS + head
         tl.store(
             out_ptr + (o_row * HEAD_DIM)[:, None] + d[None, :],

@@ -29,7 +29,10 @@ from cpkv.kernels._common import (
 )
 from cpkv.kernels.merge_attn_states import merge_attn_states
 
-__all__ = ["decode_splits", "paged_decode_attention"]
+if HAS_TRITON:
+    from cpkv.kernels.paged_attention import finish_softmax
+
+__all__ = ["decode_splits", "num_sms", "paged_decode_attention"]
 
 _NAME = "paged_decode_attention"
 
@@ -51,12 +54,19 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
     Args:
         batch: sequences in the launch.
         num_kv_heads: KV heads (one program per sequence x KV head x split).
-        num_sms: the device's SM count (1 on the CPU).
+        num_sms: the device's SM count (see :func:`num_sms`).
 
     Returns:
         A split count in ``[1, MAX_SPLITS]``.
     """
     return max(1, min(MAX_SPLITS, cdiv(PROGRAMS_PER_SM * num_sms, max(1, batch * num_kv_heads))))
+
+
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (1 for a CPU: the interpreter runs one program at a time)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 if HAS_TRITON:
@@ -135,11 +145,7 @@ if HAS_TRITON:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
             m_i = m_new
 
-        seen = l_i > 0.0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        lse = tl.where(
-            seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf")
-        )
+        out, lse = finish_softmax(acc, l_i, m_i)
         row = (split.to(tl.int64) * n_seqs + seq) * N_HEADS + head
         tl.store(
             out_ptr + (row * HEAD_DIM)[:, None] + d[None, :],
@@ -238,12 +244,7 @@ def paged_decode_attention(
     if not use_triton(_NAME, device):
         return naive.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
     if num_splits is None:
-        sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda"
-            else 1
-        )
-        num_splits = decode_splits(b, hkv, sms)
+        num_splits = decode_splits(b, hkv, num_sms(device))
     group = hq // hkv
     upcast = q.dtype == torch.bfloat16 and interpreter_enabled()
     outs = torch.empty((num_splits, b, hq, d), dtype=torch.float32, device=device)

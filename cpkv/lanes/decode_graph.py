@@ -25,7 +25,7 @@ import torch
 from cpkv import kernels
 from cpkv.core.layout import RESERVED_LOCAL_PAGE
 from cpkv.core.steps import StepSequence
-from cpkv.kernels.paged_decode import decode_splits
+from cpkv.kernels.paged_decode import decode_splits, num_sms
 
 __all__ = ["BATCH_BUCKETS", "DecodeGraphs"]
 
@@ -82,12 +82,7 @@ class DecodeGraphs:
         self._host_ints = torch.zeros(self._ints.shape, dtype=torch.int64, pin_memory=pin)
         self._recorded: dict[int, _Recorded] = {}
         self._pool = None
-        sms = (
-            torch.cuda.get_device_properties(self.device).multi_processor_count
-            if self.device.type == "cuda"
-            else 1
-        )
-        hkv = self.k_cache[0].shape[2]
+        hkv, sms = self.k_cache[0].shape[2], num_sms(self.device)
         self._splits = {b: decode_splits(b, hkv, sms) for b in BATCH_BUCKETS}
 
     @staticmethod
