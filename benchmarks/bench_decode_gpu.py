@@ -31,6 +31,12 @@ import torch
 PAGE = 64
 
 
+def _decoded(batches: list[int], steps: int) -> int:
+    """Tokens a request may gain in one run: per batch size, warm-up, timed greedy and timed
+    logits steps (and the first step)."""
+    return len(batches) * (2 * steps + 8) + 16
+
+
 def _compare(got: np.ndarray, want: np.ndarray) -> dict:
     rel = float(np.abs(got - want).max() / np.abs(want).max())
     return {"max_rel_err": rel, "top1_equal": int(np.argmax(got)) == int(np.argmax(want))}
@@ -98,7 +104,7 @@ def lane_ablation(config, prompts: np.ndarray, batches: list[int], steps: int) -
 
     model = LlamaModel.random(config, seed=0, device="cuda")
     n_seq, ctx = prompts.shape
-    per = -(-(ctx + 4 * steps + 16) // PAGE)
+    per = -(-(ctx + _decoded(batches, steps)) // PAGE)
     kv = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, config.dtype)
     shard = LaneShard(0, n_seq * per + 1, PAGE, kv, "cuda")
     pages = [np.arange(1 + r * per, 1 + (r + 1) * per, dtype=np.int32) for r in range(n_seq)]
@@ -148,13 +154,14 @@ def cpkv_decode(config, cp: int, prompts: np.ndarray, hf: dict, batches: list, s
 
     n_seq, ctx = prompts.shape
     layout = PageLayout(cp, PAGE)
-    per_seq = layout.pages_for(ctx + 4 * steps + 16)
+    room = ctx + _decoded(batches, steps)
+    per_seq = layout.pages_for(room)
     client = cpkv.connect(
         cp_size=cp,
         page_size=PAGE,
         num_pages_per_lane=layout.pages_per_lane_for(per_seq) * n_seq + 16,
         max_reqs=n_seq + 2,
-        max_context_len=ctx + 4 * steps + 16,
+        max_context_len=room,
         model=ModelSpec(config, seed=0),
         name=f"bench-decode-{cp}-{ctx}",
         timeout_s=600,

@@ -826,6 +826,13 @@ class CPKVClient:
         """:meth:`decode`, answering each request's greedy next token: the lanes take the
         argmax, so only ids come back (a 1B model's logits are 0.5 MB a row).
 
+        Args:
+            rids: live requests.
+            token_ids: the token each request appends (the last sampled one).
+            mode: attention exchange for this step (default: the pool's ``attention_mode``).
+            deadline_s: retry capacity waits with backoff until then (``None``: raise at once).
+            call_id: retry a call that raised RequestTimeoutError (its ``call_id``).
+
         Returns:
             ``int64 [len(rids)]`` the next token of each request.
 
@@ -834,7 +841,17 @@ class CPKVClient:
         """
         return self._decode_step(rids, token_ids, mode, None, deadline_s, call_id, True)
 
-    def _decode_step(self, rids, token_ids, mode, probe, deadline_s, call_id, sample: bool):
+    def _decode_step(
+        self,
+        rids: Sequence[Hashable],
+        token_ids,
+        mode: str | None,
+        probe,
+        deadline_s: float | None,
+        call_id: Hashable | None,
+        sample: bool,
+    ) -> np.ndarray:
+        """One decode step: logits (or probe outputs), or with ``sample`` the greedy ids."""
         rids, toks = self._decode_args(rids, token_ids, step=probe is None)
         if toks is None:
             raise InvalidRequestError("decode needs the token id of every request")

@@ -96,8 +96,11 @@ def test_sampling_steps_answer_ids_only(lanes):
     want = eager.step([seq(pages, 5, [3])])
     got = graph.step([seq(pages, 5, [3])], sample=True)
     assert got.logits == {} and got.next_tokens == {0: int(np.argmax(want.logits[0]))}
-    eager_sampled = eager.step([seq(pages, 6, [got.next_tokens[0]])], sample=True)
-    assert eager_sampled.logits == {} and set(eager_sampled.next_tokens) == {0}
+    following = [seq(pages, 6, [got.next_tokens[0]])]
+    eager_sampled = eager.step(following, sample=True)
+    assert eager_sampled.logits == {}
+    want_next = graph.step(following)  # logits of the same step, through the graph
+    assert eager_sampled.next_tokens == {0: int(np.argmax(want_next.logits[0]))}
 
 
 def test_graphs_take_decode_steps_only():
@@ -126,3 +129,22 @@ def test_a_new_shard_gets_new_graphs(lanes):
     new = graph.worker._decode_graphs
     assert new is not old and new.k_cache[0] is graph.shard.k[0]
     assert new.num_pages == 32
+    graph.worker.drop_decode_graphs()  # what a lane's reset to another size does first
+    assert graph.worker._decode_graphs is None
+
+
+@pytest.mark.parametrize(
+    ("pages", "prefix", "match"),
+    [
+        ([1, 0], 8, "reserved"),
+        ([1, 2, 3], 8, "needs 2 pages"),
+        ([1, 1], 8, "more than once"),
+        ([1, 64], 8, "past the shard"),
+    ],
+    ids=["reserved-page", "page-count", "page-twice", "past-the-shard"],
+)
+def test_graph_steps_refuse_bad_pages_like_the_eager_path(lanes, pages, prefix, match):
+    graph, _, _ = lanes
+    bad = StepSequence(prefix, 1, np.array(pages), np.array([3]))
+    with pytest.raises(ValueError, match=match):
+        graph.step([bad])

@@ -86,6 +86,7 @@ class LaneActor:
     def reset(self, generation: str, num_pages: int | None = None) -> str:
         """Empty the shard (allocating it at ``num_pages`` first if it has another size)."""
         if num_pages is not None and (self._shard is None or self._shard.num_pages != num_pages):
+            self._worker.drop_decode_graphs()  # they hold the old shard's tensors
             self._shard = None  # free the old tensors before taking new ones
             self._shard = self._new_shard(num_pages)
         return self._shard.reset(generation)

@@ -42,7 +42,7 @@ if HAS_TRITON:
         var = tl.sum(x * x, axis=0) / H
         # transformers: normalise in fp32, round to the model dtype, then scale in that dtype
         # (the product of two model-dtype values, computed in fp32 and rounded once).
-        xn = (x * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
+        xn = (x * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         out = (w.to(tl.float32) * xn.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * H + cols, out, mask=ok)

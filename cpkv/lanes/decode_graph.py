@@ -26,6 +26,8 @@ from cpkv import kernels
 from cpkv.core.layout import RESERVED_LOCAL_PAGE
 from cpkv.core.steps import StepSequence
 from cpkv.kernels.paged_decode import decode_splits, num_sms
+from cpkv.lanes.step import check_sequences
+from cpkv.models import LlamaModel
 
 __all__ = ["BATCH_BUCKETS", "DecodeGraphs"]
 
@@ -60,7 +62,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model,
+        model: LlamaModel,
         k_cache: Sequence[torch.Tensor],
         v_cache: Sequence[torch.Tensor],
         *,
@@ -77,9 +79,11 @@ class DecodeGraphs:
             (max_batch, self.num_pages), dtype=torch.int32, device=self.device
         )
         self._ints = torch.zeros((4, max_batch), dtype=torch.int64, device=self.device)
+        # Host staging, pinned and filled from the front: a step's [4, bucket] and [bucket,
+        # width] blocks are contiguous there, so their copies to the device run async.
         pin = self.device.type == "cuda"
-        self._host_table = torch.zeros(self._table.shape, dtype=torch.int32, pin_memory=pin)
-        self._host_ints = torch.zeros(self._ints.shape, dtype=torch.int64, pin_memory=pin)
+        self._host_table = torch.zeros(self._table.numel(), dtype=torch.int32, pin_memory=pin)
+        self._host_ints = torch.zeros(self._ints.numel(), dtype=torch.int64, pin_memory=pin)
         self._recorded: dict[int, _Recorded] = {}
         self._pool = None
         hkv, sms = self.k_cache[0].shape[2], num_sms(self.device)
@@ -89,7 +93,7 @@ class DecodeGraphs:
     def accepts(sequences: Sequence[StepSequence]) -> bool:
         """Whether a step of these sequences is a decode step a graph can run (one new token
         each, at most the largest bucket, token ids given)."""
-        return len(sequences) <= BATCH_BUCKETS[-1] and all(
+        return 1 <= len(sequences) <= BATCH_BUCKETS[-1] and all(
             s.extend_len == 1 and s.token_ids is not None for s in sequences
         )
 
@@ -112,13 +116,28 @@ class DecodeGraphs:
         Returns:
             ``(logits, next_ids)``: fp32 ``[B, vocab]`` (``None`` when ``sample``) and int64
             ``[B]`` greedy next tokens.
+
+        Raises:
+            ValueError: not a decode step (see :meth:`accepts`), or pages the step plan would
+                refuse (a wrong count, the reserved page, one page twice) or past the shard.
         """
-        assert self.accepts(sequences), "not a decode step a graph runs"
+        if not self.accepts(sequences):
+            raise ValueError(
+                f"a decode graph runs 1 to {BATCH_BUCKETS[-1]} sequences of one new token each, "
+                f"with their token ids; got {len(sequences)}"
+            )
+        pages = check_sequences(sequences, 1, self.page_size)
+        if int(pages.max()) >= self.num_pages:
+            raise ValueError(
+                f"page id {int(pages.max())} is past the shard's {self.num_pages} pages"
+            )
         b = len(sequences)
         bucket = next(n for n in BATCH_BUCKETS if n >= b)
-        width = self._fill(sequences, bucket)
-        self._ints[:, :bucket].copy_(self._host_ints[:, :bucket], non_blocking=True)
-        self._table[:bucket, :width].copy_(self._host_table[:bucket, :width], non_blocking=True)
+        ints, table, width = self._fill(sequences, bucket)
+        # NOTE: the host buffers are rewritten only by the next step's _fill, after this
+        # step's results were read back (a sync), so the async copies are done by then.
+        self._ints[:, :bucket].copy_(ints, non_blocking=True)
+        self._table[:bucket, :width].copy_(table, non_blocking=True)
         rec = self._recorded.get(bucket)
         if rec is None:
             rec = self._recorded[bucket] = self._record(bucket)
@@ -129,25 +148,31 @@ class DecodeGraphs:
         ids = rec.next_ids[:b].cpu().numpy()
         return (None if sample else rec.logits[:b].cpu().numpy()), ids
 
-    def _fill(self, sequences: Sequence[StepSequence], bucket: int) -> int:
-        """Write the step's integers into the pinned host buffers; the table width used."""
+    def _fill(
+        self, sequences: Sequence[StepSequence], bucket: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Write the step's integers into the front of the pinned host buffers.
+
+        Returns:
+            ``(ints [4, bucket], table [bucket, width], width)``: contiguous host views.
+        """
         ps = self.page_size
-        ints, table = self._host_ints.numpy(), self._host_table.numpy()
-        ints[:, :bucket] = 0
-        ints[_LENS, :bucket] = 1  # padding rows: one key, on the reserved page
-        width = 1
+        # NOTE: checked pages: sequence i has exactly prefix_len // ps + 1 of them.
+        width = max(s.pages.shape[0] for s in sequences)
+        ints_t = self._host_ints[: 4 * bucket].view(4, bucket)
+        table_t = self._host_table[: bucket * width].view(bucket, width)
+        ints, table = ints_t.numpy(), table_t.numpy()
+        ints[:] = 0
+        ints[_LENS] = 1  # padding rows: one key, on the reserved page
+        table[:, 0] = RESERVED_LOCAL_PAGE
         for i, s in enumerate(sequences):
             pos = s.prefix_len
-            n = pos // ps + 1
-            assert s.pages.shape[0] >= n, (s.rid, s.pages.shape, pos)
-            table[i, :n] = s.pages[:n]
+            table[i, : s.pages.shape[0]] = s.pages
             ints[_TOKENS, i] = s.token_ids[0]
             ints[_POSITIONS, i] = pos
             ints[_SLOTS, i] = int(s.pages[pos // ps]) * ps + pos % ps
             ints[_LENS, i] = pos + 1
-            width = max(width, n)
-        table[len(sequences) : bucket, 0] = RESERVED_LOCAL_PAGE
-        return width
+        return ints_t, table_t, width
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step on the static buffers (what a graph records)."""
@@ -182,12 +207,15 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             self._forward(bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        # NOTE: the model caches RoPE tables by positions tensor; the graph must compute its own
-        # from the static buffer, not reuse the warm run's.
+        # NOTE: the model keeps the last RoPE tables by positions tensor; the graph must compute
+        # its own from the static buffer inside the capture (each _forward slices a new
+        # positions view, so this only makes the rule explicit), and no table of the graph's
+        # pool may stay referenced outside it (dropped again after the capture).
         self.model.forget_rotary()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits, ids = self._forward(bucket)
         self._pool = graph.pool()
+        self.model.forget_rotary()
         graph.replay()  # the capture only recorded: this step's answer comes from a replay
         return _Recorded(graph, logits, ids)

@@ -22,7 +22,7 @@ import numpy as np
 
 from cpkv.core.steps import StepSequence
 
-__all__ = ["PageTable", "QExchange", "StepPlan"]
+__all__ = ["PageTable", "QExchange", "StepPlan", "check_sequences"]
 
 
 def _int(name: str, value: object, minimum: int) -> int:
@@ -43,6 +43,42 @@ def _cumsum0(counts: np.ndarray) -> np.ndarray:
 def _readonly(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
+
+
+def check_sequences(requests: Sequence[StepSequence], cp_size: int, page_size: int) -> np.ndarray:
+    """Check a step's requests against the layout; their pages, concatenated.
+
+    Returns:
+        ``int64 [sum of page counts]`` the requests' global page ids, in batch order.
+
+    Raises:
+        ValueError: no requests, a request whose page count is not ``ceil(seq_len /
+            page_size)``, a reserved page (local page 0, i.e. ``g < cp_size``), or a page id
+            used twice in the step.
+    """
+    cp, ps = cp_size, page_size
+    if len(requests) == 0:
+        raise ValueError("a step needs at least one request, got none")
+    for b, r in enumerate(requests):
+        if not isinstance(r, StepSequence):
+            raise ValueError(f"requests[{b}] is {type(r).__name__}, not StepSequence")
+        want = -(-r.seq_len // ps)
+        if r.pages.shape[0] != want:
+            raise ValueError(
+                f"requests[{b}]: prefix_len={r.prefix_len} + extend_len={r.extend_len} "
+                f"needs {want} pages of page_size={ps}, got {r.pages.shape[0]}"
+            )
+    pages = np.concatenate([r.pages for r in requests]).astype(np.int64)
+    reserved = pages[pages < cp]
+    if reserved.size:
+        raise ValueError(
+            f"page ids {sorted(set(reserved.tolist()))} are local page 0 of their lane "
+            f"(reserved) with cp_size={cp}"
+        )
+    uniq, seen = np.unique(pages, return_counts=True)
+    if bool((seen > 1).any()):
+        raise ValueError(f"page ids {uniq[seen > 1].tolist()} appear more than once in the step")
+    return pages
 
 
 @dataclass(slots=True, frozen=True, eq=False)
@@ -220,33 +256,11 @@ class StepPlan:
         lane = _int("lane", lane, 0)
         if lane >= cp:
             raise ValueError(f"lane={lane} must be < cp_size={cp}")
-        if len(requests) == 0:
-            raise ValueError("a step needs at least one request, got none")
-        for b, r in enumerate(requests):
-            if not isinstance(r, StepSequence):
-                raise ValueError(f"requests[{b}] is {type(r).__name__}, not StepSequence")
-            want = -(-r.seq_len // ps)
-            if r.pages.shape[0] != want:
-                raise ValueError(
-                    f"requests[{b}]: prefix_len={r.prefix_len} + extend_len={r.extend_len} "
-                    f"needs {want} pages of page_size={ps}, got {r.pages.shape[0]}"
-                )
+        pages = check_sequences(requests, cp, ps)
         nb = len(requests)
         prefix = np.array([r.prefix_len for r in requests], dtype=np.int64)
         ext = np.array([r.extend_len for r in requests], dtype=np.int64)
         seq = prefix + ext
-        pages = np.concatenate([r.pages for r in requests]).astype(np.int64)
-        reserved = pages[pages < cp]
-        if reserved.size:
-            raise ValueError(
-                f"page ids {sorted(set(reserved.tolist()))} are local page 0 of their lane "
-                f"(reserved) with cp_size={cp}"
-            )
-        uniq, seen = np.unique(pages, return_counts=True)
-        if bool((seen > 1).any()):
-            raise ValueError(
-                f"page ids {uniq[seen > 1].tolist()} appear more than once in the step"
-            )
 
         # --- step tokens ---
         cu_tokens = _cumsum0(ext)

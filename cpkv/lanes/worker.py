@@ -67,6 +67,9 @@ class LaneWorker:
         device: where the weights and the shard live.
         model: the lane's model (a :class:`cpkv.models.LlamaModel`), or ``None`` for a
             pool that only stores K/V (probe steps still run).
+        decode_graphs: run a cp=1 lane's decode steps through
+            :class:`~cpkv.lanes.decode_graph.DecodeGraphs` (recorded CUDA graphs on a GPU);
+            ``False`` keeps them on the general eager path (the benchmarks' ablation).
     """
 
     def __init__(
@@ -90,6 +93,10 @@ class LaneWorker:
         # buffer step eagerly (CPU); cp > 1 decode exchanges between lanes and runs eagerly.
         self._use_decode_graphs = decode_graphs and cp_size == 1 and model is not None
         self._decode_graphs: DecodeGraphs | None = None
+
+    def drop_decode_graphs(self) -> None:
+        """Forget the decode graphs (and the shard tensors they hold): the shard is replaced."""
+        self._decode_graphs = None
 
     # ------------------------------------------------------------------ group
     def rendezvous_address(self) -> tuple[str, int]:

@@ -96,8 +96,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused(x: torch.Tensor) -> bool:
-    """Whether the fused Triton kernels run this tensor's ops (CUDA: one kernel where torch
-    launches ~7 or ~11, which is what a decode step pays per kernel; never the interpreter)."""
+    """Whether the fused Triton kernels run this tensor's ops: on CUDA (one kernel where
+    torch launches ~7 or ~11, which is what a decode step pays per kernel). CPU tensors keep
+    torch's ops even under ``TRITON_INTERPRET=1``."""
     return x.is_cuda and kernels.HAS_TRITON
 
 
