@@ -265,3 +265,48 @@ def test_a_free_costs_no_lane_call_its_releases_ride_with_the_next_move():
     call(coord, "free", "b", False, None)
     assert_lanes_agree(coord)  # check() sends what was held back before comparing counts
     assert moves() == {"extend": 8, "release": 4}
+
+
+class _OrderTransport:
+    """Records submissions; the first one blocks until released (a busy sender)."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.release = threading.Event()
+        self.first = threading.Event()
+
+    def submit(self, lane: int, method: str, *args):
+        if not self.first.is_set():
+            self.first.set()
+            assert self.release.wait(10)
+        self.order.append(args[0])
+        return args[0]
+
+    def result(self, handle, timeout: float):
+        return handle
+
+    def done(self, handles: list) -> list[bool]:
+        return [True] * len(handles)
+
+
+def test_a_step_submitted_now_never_overtakes_queued_calls():
+    from cpkv.coordinator.channel import LaneChannel
+
+    transport = _OrderTransport()
+    channel = LaneChannel(transport, 1, "e")
+    try:
+        queued = [channel.submit(0, "apply", "move-1"), channel.submit(0, "apply", "move-2")]
+        assert transport.first.wait(10)  # the sender is inside move-1's submission
+        out: list[Future] = []
+        caller = threading.Thread(target=lambda: out.append(channel.submit_now(0, "step", "s1")))
+        caller.start()
+        time.sleep(0.2)  # the caller waits for the sender, which holds move-2 back too
+        transport.release.set()
+        caller.join(10)
+        assert [f.result(10) for f in [*queued, *out]] == ["move-1", "move-2", "s1"]
+        # Nothing ahead: made at once, in the caller's thread.
+        now = channel.submit_now(0, "step", "s2")
+        assert now.done() and now.result() == "s2"
+        assert transport.order == ["move-1", "move-2", "s1", "s2"]
+    finally:
+        channel.close()
