@@ -66,10 +66,6 @@ class LaneChannel:
         self._pending: deque[tuple[int, str, int, Future]] = deque()
         self._pending_lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        # Calls queued and not yet submitted; with _send_lock, lets a caller submit at once
-        # when nothing is ahead of it (the order stays the queue's).
-        self._send_lock = threading.Lock()
-        self._unsent = 0
         # Per lane, releases held back (this generation): they ride with the lane's next move.
         self._held_back: list[list[np.ndarray]] = [[] for _ in range(cp_size)]
         self.num_calls = 0
@@ -133,7 +129,7 @@ class LaneChannel:
         args = (gen, seq, taken, released, owner)
         if cached is not None and cached.size:
             args += (cached,)
-        self._enqueue((lane, "apply", args, future))
+        self._outbox.put((lane, "apply", args, future))
         self.num_calls += 1
         self.num_moves_by_op[op] = self.num_moves_by_op.get(op, 0) + 1
         return seq
@@ -163,33 +159,8 @@ class LaneChannel:
     def submit(self, lane: int, method: str, *args: Any) -> Future:
         """Queue any lane call behind those already queued; a future of its handle."""
         future: Future = Future()
-        self._enqueue((lane, method, args, future))
+        self._outbox.put((lane, method, args, future))
         return future
-
-    def submit_now(self, lane: int, method: str, *args: Any) -> Future:
-        """:meth:`submit`, made in this thread when no queued call is ahead of it (the
-        sender's hand-off costs ~0.5 ms); a future of its handle."""
-        future: Future = Future()
-        with self._send_lock:
-            if self._unsent == 0:
-                self._submit(lane, method, args, future)
-                return future
-            self._unsent += 1
-            self._outbox.put((lane, method, args, future))
-        return future
-
-    def _enqueue(self, item: tuple) -> None:
-        with self._send_lock:
-            self._unsent += 1
-            self._outbox.put(item)
-
-    def _submit(self, lane: int, method: str, args: tuple, future: Future) -> None:
-        try:
-            handle = self._transport.submit(lane, method, *args)
-        except Exception as e:  # a submission error surfaces like a failed call
-            future.set_exception(e)
-            return
-        future.set_result(handle)
 
     def call(self, lane: int, method: str, *args: Any, timeout: float) -> Any:
         """Queue a lane call and wait for its result (never call this holding a lock
@@ -254,6 +225,10 @@ class LaneChannel:
             item = self._outbox.get()
             if item is _STOP:
                 return
-            with self._send_lock:
-                self._submit(*item)
-                self._unsent -= 1
+            lane, method, args, future = item
+            try:
+                handle = self._transport.submit(lane, method, *args)
+            except Exception as e:  # a submission error surfaces like a failed call
+                future.set_exception(e)
+                continue
+            future.set_result(handle)

@@ -401,9 +401,7 @@ class Coordinator:
             self._step_count += 1
             step = StepRequest(self._step_count, group, tuple(seqs), mode, probe, sample)
             shared = self._share(step) if _worth_sharing(step, self.config.cp_size) else step
-            handles = [
-                self._channel.submit_now(r, "step", shared) for r in range(self.config.cp_size)
-            ]
+            handles = [self._channel.submit(r, "step", shared) for r in range(self.config.cp_size)]
             self._track_step(step, handles)
             answer["lanes"] = handles
             return answer
