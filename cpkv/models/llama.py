@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from cpkv import kernels
+from cpkv.kernels import naive
 from cpkv.models.config import ModelConfig
 from cpkv.models.weights import (
     IGNORED_SUFFIXES,
@@ -103,14 +104,9 @@ def _fused(x: torch.Tensor) -> bool:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _fused(x):
-        return kernels.rms_norm(x, weight, eps)
     # NOTE: transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the
-    # model dtype (not scale-then-cast).
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    # model dtype (not scale-then-cast); the torch formula is the kernel's reference.
+    return (kernels.rms_norm if _fused(x) else naive.rms_norm)(x, weight, eps)
 
 
 @dataclass(slots=True)
@@ -493,18 +489,12 @@ class LlamaModel:
         hidden = self._check_hidden(hidden)
         self._check_tokens("positions", positions, hidden.shape[0])
         c = self._config
-        t, d = hidden.shape[0], c.head_dim
         x = _rms_norm(hidden, w.input_norm, c.rms_norm_eps)
         qkv = F.linear(x, w.qkv_weight, w.qkv_bias)
         cos, sin = self.rotary(positions)
-        if _fused(qkv):
-            return kernels.rope_qkv(qkv, cos, sin, c.num_heads, c.num_kv_heads)
-        q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
-        q, k = q.view(t, c.num_heads, d), k.view(t, c.num_kv_heads, d)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k, v.reshape(t, c.num_kv_heads, d).contiguous()
+        # The torch formula (transformers' apply_rotary_pos_emb) is the kernel's reference.
+        rope = kernels.rope_qkv if _fused(qkv) else naive.rope_qkv
+        return rope(qkv, cos, sin, c.num_heads, c.num_kv_heads)
 
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The rest of a layer once attention is done: o_proj + residual, post-attention
