@@ -199,18 +199,14 @@ class LaneWorker:
             return self._graph_decode(shard, step, t0)
         plan = StepPlan.build(step.sequences, self.cp_size, shard.page_size, self.lane)
         attn = CPAttention(self.group, plan, step.mode)
-        logits, out, tokens = {}, None, None
+        logits, next_tokens, out, tokens = {}, {}, None, None
         if step.probe is not None:
             out = self._probe(shard, plan, attn, step.probe, step.probe_rows)
             tokens = plan.my_tokens
         else:
-            logits = self._forward(shard, plan, attn, step)
+            logits, next_tokens = self._forward(shard, plan, attn, step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        next_tokens = {}
-        if step.sample:
-            next_tokens = {b: int(np.argmax(row)) for b, row in logits.items()}
-            logits = {}
         return StepResult(
             num_tokens=int(plan.num_mine),
             compute_s=time.perf_counter() - t0,
@@ -261,7 +257,10 @@ class LaneWorker:
 
     def _forward(
         self, shard: LaneShard, plan: StepPlan, attn: CPAttention, step: StepRequest
-    ) -> dict[int, np.ndarray]:
+    ) -> tuple[dict[int, np.ndarray], dict[int, int]]:
+        """Every layer for this lane's tokens; ``(logits, next_tokens)`` of the sequences whose
+        last new token it computed: fp32 rows, or for a sampling step only their argmax
+        (taken on the device, so no logits cross to the host)."""
         model = self.model
         if model is None:
             raise ValueError("this pool has no model: connect(..., model=...) to prefill")
@@ -278,7 +277,11 @@ class LaneWorker:
             hidden = model.finish_layer(layer, hidden, o)
         last = [b for b in range(plan.num_requests) if int(plan.last_token_owner[b]) == self.lane]
         if not last:
-            return {}
+            return {}, {}
         rows = torch.as_tensor([int(plan.last_token_index[b]) for b in last], device=dev)
-        logits = model.logits(hidden[rows]).float().cpu().numpy()
-        return {b: logits[i] for i, b in enumerate(last)}
+        logits = model.logits(hidden[rows])
+        if step.sample:
+            ids = logits.argmax(dim=-1).tolist()
+            return {}, {b: ids[i] for i, b in enumerate(last)}
+        rows_np = logits.float().cpu().numpy()
+        return {b: rows_np[i] for i, b in enumerate(last)}, {}
