@@ -21,11 +21,12 @@ Without a CUDA device it prints "no CUDA device; skipping" and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,6 +45,11 @@ except Exception:  # the CPU skip path must work without Triton
 HQ, HKV, HEAD_DIM, PAGE = 32, 8, 128, 64
 DTYPE = torch.bfloat16
 SIZES = (32 << 10, 128 << 10)
+# The Hopper table: every head dim x length, cpkv (both paths) beside SDPA flash and cuDNN.
+TABLE_DIMS = (64, 128)
+TABLE_SIZES = (8 << 10, 32 << 10, 128 << 10)
+PAGE_SIZES = (16, 32, 64, 128)
+POINTER = "cpkv paged (pointer kernel)"
 DEVICE = "cuda"  # a CPU dry run of the logic (interpreter, tiny sizes) may patch it
 
 
@@ -201,6 +207,7 @@ def bench_causal(
     head_dim: int = HEAD_DIM,
     with_sdpa: bool = True,
     rep: int = 100,
+    impl: str = "cpkv paged",
 ) -> Row:
     """One sequence, all pages on the lane in order: the kernel's row (and SDPA's)."""
     g = torch.Generator(device=DEVICE).manual_seed(t)
@@ -208,11 +215,11 @@ def bench_causal(
     k = torch.randn(t, HKV, head_dim, device=DEVICE, generator=g).to(DTYPE)
     v = torch.randn(t, HKV, head_dim, device=DEVICE, generator=g).to(DTYPE)
     lane = make_lane(q, k, v, list(range(t // page)), page)
-    case = f"causal T={t >> 10}k page={page}" + ("" if head_dim == HEAD_DIM else f" D={head_dim}")
+    case = causal_case(t, page, head_dim)
     flops = causal_flops(t, d=head_dim)
     out, _ = lane.call(K)
     ms = bench_ms(lambda: lane.call(K), rep=rep)
-    mine = tab.add(Row(case, "cpkv paged", ms, flops / ms / 1e9))
+    mine = tab.add(Row(case, impl, ms, flops / ms / 1e9))
     if with_sdpa:
         for name, (fn, note) in sdpa_fns(q, k, v).items():
             ref = fn()
@@ -229,6 +236,21 @@ def bench_causal(
                 )
             )
     return mine
+
+
+def causal_case(t: int, page: int = PAGE, head_dim: int = HEAD_DIM) -> str:
+    return f"causal T={t >> 10}k page={page} D={head_dim}"
+
+
+@contextlib.contextmanager
+def kernel_path(mode: str) -> Iterator[None]:
+    """The launcher's path for the block: "never" the pointer kernel, "auto" TMA on Hopper."""
+    mod = importlib.import_module("cpkv.kernels.paged_attention_tma")
+    saved, mod.MODE = mod.MODE, mode
+    try:
+        yield
+    finally:
+        mod.MODE = saved
 
 
 def bench_zigzag(tab: Table, K, t: int, one_lane_ms: float) -> None:
@@ -343,9 +365,9 @@ def bench_merge(tab: Table, K, outs: torch.Tensor, lses: torch.Tensor, case: str
 
 
 def sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, object]]:
-    """(head dim, config) pairs to time, 16-bit D=128 first. Pruned by compiling for sm_90a
-    offline (triton 3.9, ptxas -v): 128-key tiles at D=128 and 128 rows at 4 warps spill
-    (104-844 B) and are left out; 64 rows x 128 keys at D=64 do not."""
+    """(head dim, pointer-kernel config) pairs to time, 16-bit D=128 first. Pruned by
+    compiling for sm_90a offline (triton 3.9, ptxas -v): 128-key tiles at D=128 and 128 rows at
+    4 warps spill (104-844 B) and are left out; 64 rows x 128 keys at D=64 do not."""
     cands = []
     if d_only != 64:
         for hp in (1, 4):
@@ -353,53 +375,93 @@ def sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, object
                 cands.append((128, cfg_t(128, 64, hp, 8, st)))
             cands.append((128, cfg_t(128, 32, hp, 8, 3)))
             cands.append((128, cfg_t(64, 64, hp, 4, 3)))
-            cands.append((128, cfg_t(64, 32, hp, 4, 3)))
-    # D=64 (Llama-3.2-1B): 64x128 at 4 warps led (332 TFLOP/s) over 128x64 / 128x128 / 64x64
-    # at 3 stages; around it, the stages, 8 warps, 256-key tiles and GQA packing.
-    for bm, bn, hp, w, st in (
-        (64, 128, 1, 4, 3),
-        (64, 128, 1, 4, 2),
-        (64, 128, 1, 4, 4),
-        (64, 128, 1, 8, 3),
-        (64, 256, 1, 4, 2),
-        (64, 256, 1, 8, 2),
-        (64, 256, 1, 8, 3),
-        (128, 128, 1, 8, 2),
-        (128, 128, 4, 8, 2),
-        (128, 256, 1, 8, 2),
-        (32, 128, 1, 4, 3),
-        (64, 128, 2, 4, 3),
-    ):
-        cands.append((64, cfg_t(bm, bn, hp, w, st)))
+    if d_only != 128:
+        for bm, bn, hp, w, st in ((64, 128, 1, 4, 2), (64, 128, 1, 4, 3), (128, 128, 1, 8, 2)):
+            cands.append((64, cfg_t(bm, bn, hp, w, st)))
     return cands
 
 
-def sweep(tab: Table, K, seconds: float, d_only: int | None = None) -> None:
-    """Time tiling candidates on the 32k causal case (the module's configs patched, then
-    restored); starts no new candidate after ``seconds``."""
-    mod = importlib.import_module("cpkv.kernels.paged_attention")
+def tma_sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, object]]:
+    """(head dim, TMA config) pairs to time: tile shapes, pipelining depth, warps, GQA packing
+    and Triton's warp specialisation, around the FA2/FA3 shapes (128 query rows)."""
+    shapes = {  # (block_m, block_n, heads, warps, stages, warp_specialize)
+        128: [
+            (128, 64, 1, 8, 3, False),
+            (128, 64, 1, 8, 2, False),
+            (128, 64, 1, 8, 4, False),
+            (128, 128, 1, 8, 2, False),
+            (128, 128, 1, 8, 3, False),
+            (128, 64, 1, 4, 3, False),
+            (64, 64, 1, 4, 3, False),
+            (64, 128, 1, 4, 3, False),
+            (128, 64, 2, 8, 3, False),
+            (128, 64, 4, 8, 3, False),
+            (128, 128, 2, 8, 2, False),
+            (256, 64, 1, 8, 3, False),
+            (128, 64, 1, 8, 3, True),
+            (128, 128, 1, 8, 2, True),
+        ],
+        64: [
+            (128, 64, 1, 8, 3, False),
+            (128, 128, 1, 8, 2, False),
+            (128, 128, 1, 8, 3, False),
+            (128, 128, 1, 4, 3, False),
+            (64, 128, 1, 4, 2, False),
+            (64, 128, 1, 4, 3, False),
+            (128, 64, 1, 4, 3, False),
+            (128, 128, 2, 8, 3, False),
+            (128, 128, 4, 8, 3, False),
+            (256, 128, 1, 8, 2, False),
+            (128, 128, 1, 8, 3, True),
+            (128, 64, 1, 8, 3, True),
+        ],
+    }
+    return [(d, cfg_t(*shape)) for d in (128, 64) if d_only in (None, d) for shape in shapes[d]]
+
+
+def sweep(tab: Table, K, seconds: float, d_only: int | None = None, kernel: str = "tma") -> None:
+    """Time tiling candidates of one kernel on the 32k causal case (its module's configs
+    patched, then restored); starts no new candidate after ``seconds``."""
+    if kernel == "tma":
+        mod = importlib.import_module("cpkv.kernels.paged_attention_tma")
+        cands = tma_sweep_candidates(mod.TmaConfig, d_only)
+
+        def key(d: int) -> int:
+            return d
+
+        path = "auto"
+    else:
+        mod = importlib.import_module("cpkv.kernels.paged_attention")
+        cands = sweep_candidates(mod.AttnConfig, d_only)
+
+        def key(d: int) -> tuple[int, int]:
+            return (2, d)
+
+        path = "never"
     saved = dict(mod.CONFIGS)
     start = time.time()
-    print("sweep (causal T=32k, page 64, 32/8 heads, bf16):")
+    print(f"sweep of the {kernel} kernel (causal T=32k, page 64, 32/8 heads, bf16):")
     try:
-        for d, cfg in sweep_candidates(mod.AttnConfig, d_only):
+        for d, cfg in cands:
             if time.time() - start > seconds:
                 print(f"sweep: stopped after {seconds:.0f} s")
                 break
-            mod.CONFIGS = {**saved, (2, d): cfg}
+            mod.CONFIGS = {**saved, key(d): cfg}
             label = (
                 f"D={d} M={cfg.block_m} N={cfg.block_n} hp={cfg.heads_per_program} "
                 f"w={cfg.num_warps} s={cfg.num_stages}"
+                + (" ws" if getattr(cfg, "warp_specialize", False) else "")
             )
             sub = Table()
             sub.quiet = True
             try:
-                row = bench_causal(sub, K, 32 << 10, head_dim=d, with_sdpa=False, rep=40)
+                with kernel_path(path):
+                    row = bench_causal(sub, K, 32 << 10, head_dim=d, with_sdpa=False, rep=40)
             except Exception as exc:
-                print(f"  {label}: failed ({type(exc).__name__}: {str(exc)[:100]})", flush=True)
+                print(f"  {label}: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
                 torch.cuda.empty_cache()
                 continue
-            row.impl = f"sweep {label}"
+            row.impl = f"sweep {kernel} {label}"
             tab.rows.append(row)
             print(f"  {label}: {row.ms:.3f} ms {row.tflops:.0f} TFLOP/s", flush=True)
     finally:
@@ -407,18 +469,20 @@ def sweep(tab: Table, K, seconds: float, d_only: int | None = None) -> None:
 
 
 def ratios(rows: list[Row]) -> list[str]:
+    """cpkv against SDPA's backends, row by row of the causal table."""
     lines = []
-    for t in SIZES:
-        case = f"causal T={t >> 10}k page={PAGE}"
+    cases = dict.fromkeys(r.case for r in rows if r.case.startswith("causal"))
+    for case in cases:
         by = {r.impl: r for r in rows if r.case == case}
-        mine = by.get("cpkv paged")
-        for name in ("flash", "cudnn"):
-            base = by.get(f"sdpa {name}")
-            if mine is not None and base is not None:
-                lines.append(
-                    f"{case}: cpkv/{name} = {mine.tflops / base.tflops:.2f}x "
-                    f"({mine.tflops:.0f} vs {base.tflops:.0f} TFLOP/s)"
-                )
+        for impl in ("cpkv paged", POINTER):
+            mine = by.get(impl)
+            for name in ("flash", "cudnn"):
+                base = by.get(f"sdpa {name}")
+                if mine is not None and base is not None:
+                    lines.append(
+                        f"{case}: {impl}/{name} = {mine.tflops / base.tflops:.2f}x "
+                        f"({mine.tflops:.0f} vs {base.tflops:.0f} TFLOP/s)"
+                    )
     return lines
 
 
@@ -429,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-seconds", type=float, default=150.0)
     parser.add_argument("--only-sweep", action="store_true", help="time the candidates only")
     parser.add_argument("--sweep-d", type=int, choices=(64, 128), help="sweep one head dim")
+    parser.add_argument(
+        "--sweep-kernel", choices=("tma", "pointer"), default="tma", help="which kernel to tune"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or triton is None:
         print("no CUDA device; skipping")
@@ -448,11 +515,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bf16 D={HEAD_DIM} config: {cfg}")
     tab = Table()
     if not args.only_sweep:
+        for d in TABLE_DIMS:
+            for t in TABLE_SIZES:
+                bench_causal(tab, K, t, head_dim=d)
+                with kernel_path("never"):
+                    bench_causal(tab, K, t, head_dim=d, with_sdpa=False, impl=POINTER)
+        for page in PAGE_SIZES:
+            if page != PAGE:
+                bench_causal(tab, K, 32 << 10, page=page, with_sdpa=False)
+                with kernel_path("never"):
+                    bench_causal(tab, K, 32 << 10, page=page, with_sdpa=False, impl=POINTER)
         for t in SIZES:
-            one = bench_causal(tab, K, t)
+            one = next(r for r in tab.rows if r.case == causal_case(t) and r.impl == "cpkv paged")
             if t == SIZES[0]:
-                bench_causal(tab, K, t, page=16, with_sdpa=False)
-                one_64 = bench_causal(tab, K, t, head_dim=64)
+                one_64 = next(
+                    r
+                    for r in tab.rows
+                    if r.case == causal_case(t, head_dim=64) and r.impl == "cpkv paged"
+                )
                 bench_split_ablation(tab, K, t, 64, one_64.ms)
             bench_zigzag(tab, K, t, one.ms)
         g = torch.Generator(device=DEVICE).manual_seed(9)
@@ -464,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in ratios(tab.rows):
             print(line)
     if args.sweep or args.only_sweep:
-        sweep(tab, K, args.sweep_seconds, args.sweep_d)
+        sweep(tab, K, args.sweep_seconds, args.sweep_d, args.sweep_kernel)
         best = sorted((r for r in tab.rows if r.impl.startswith("sweep")), key=lambda r: -r.tflops)
         for d in (128, 64):
             top = [r for r in best if f"D={d} " in r.impl][:3]

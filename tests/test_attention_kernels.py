@@ -27,6 +27,7 @@ import cpkv.kernels as K
 from cpkv.kernels import _common, naive
 
 attn_mod = importlib.import_module("cpkv.kernels.paged_attention")
+tma_mod = importlib.import_module("cpkv.kernels.paged_attention_tma")
 merge_mod = importlib.import_module("cpkv.kernels.merge_attn_states")
 
 GPU = torch.cuda.is_available()
@@ -368,16 +369,89 @@ def test_paged_attention_strided_queries():
     assert_attention_close(got, naive.paged_partial_attention(*x.args(), 0.2), torch.float16)
 
 
+# ---------------------------------------------------------------------------------------------
+# The TMA (Hopper) path: driven under the interpreter with MODE "always"
+# ---------------------------------------------------------------------------------------------
+
+
+def tma_tiles(block_m: int, block_n: int, heads: int, stages: int = 2) -> dict:
+    """Every TMA config replaced by small tiles (the interpreter's cost grows with them)."""
+    cfg = tma_mod.TmaConfig(block_m, block_n, heads, num_warps=4, num_stages=stages)
+    return {d: cfg for d in tma_mod.CONFIGS}
+
+
+TMA_TILINGS = {
+    "m16-n16": (16, 16, 1),  # page 64: 4 tiles a page
+    "m32-n64-2heads": (32, 64, 2),  # page 16: the tile cut to the page; 2 GQA heads a program
+}
+
+
+@pytest.mark.parametrize("tiling", list(TMA_TILINGS), ids=list(TMA_TILINGS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("ps", [16, 64], ids=["page16", "page64"])
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_tma_path_matches_reference(monkeypatch, layout, ps, dtype, tiling):
+    monkeypatch.setattr(tma_mod, "MODE", "always")
+    monkeypatch.setattr(tma_mod, "CONFIGS", tma_tiles(*TMA_TILINGS[tiling]))
+    x = build(LAYOUTS[layout](ps), ps, hq=4, hkv=2, d=32, dtype=dtype, seed=ps + 1)
+    assert tma_mod.tma_supported(dev(x.q), dev(x.k))
+    scale = 32**-0.5
+    assert_attention_close(
+        run_kernel(x, scale), naive.paged_partial_attention(*x.args(), scale), dtype
+    )
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [s for s in GQA_SHAPES if s.id != "gqa3-d24"])
+def test_tma_path_gqa_and_head_dims(monkeypatch, hq, hkv, d):
+    monkeypatch.setattr(tma_mod, "MODE", "always")
+    monkeypatch.setattr(tma_mod, "CONFIGS", tma_tiles(32, 32, 4))
+    ps = 32
+    seqs = [
+        Seq(list(range(0, 3 * ps, 4)), in_order(0, 3 * ps - 5, ps)),
+        Seq(list(range(ps - 5, ps + 15)), shuffled(in_order(0, 2 * ps + 3, ps), 5)),
+    ]
+    x = build(seqs, ps, hq, hkv, d, torch.bfloat16, seed=hq * d + 1)
+    scale = d**-0.5
+    assert_attention_close(
+        run_kernel(x, scale), naive.paged_partial_attention(*x.args(), scale), torch.bfloat16
+    )
+
+
+def test_tma_path_only_where_a_descriptor_fits(monkeypatch):
+    monkeypatch.setattr(tma_mod, "MODE", "always")
+    q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
+    k = torch.zeros(3, 64, 2, 64, dtype=torch.bfloat16)
+    assert tma_mod.tma_supported(q, k)
+    assert not tma_mod.tma_supported(q.float(), k.float())  # 16-bit tiles only
+    assert not tma_mod.tma_supported(q[..., :24], torch.zeros(3, 64, 2, 24))  # D not a box side
+    assert not tma_mod.tma_supported(q, torch.zeros(3, 8, 2, 64, dtype=torch.bfloat16))  # page 8
+    assert not tma_mod.tma_supported(q, torch.zeros(3, 48, 2, 64, dtype=torch.bfloat16))
+    monkeypatch.setattr(tma_mod, "MODE", "auto")
+    # Under the interpreter (or on a GPU other than sm_90) "auto" keeps the pointer kernel.
+    if not GPU or torch.cuda.get_device_capability()[0] != 9:
+        assert not tma_mod.tma_supported(dev(q), dev(k))
+    monkeypatch.setattr(tma_mod, "MODE", "never")
+    assert not tma_mod.tma_supported(dev(q), dev(k))
+    cfg = tma_mod.config_for(128, page_size=16, group=4, max_q_len=3)
+    assert cfg.block_n <= 16 and cfg.block_m == 16
+    with pytest.raises(ValueError, match="power of two"):
+        tma_mod.TmaConfig(96, 64, 1, 8, 3)
+
+
 if GPU:
     LARGE = [
         pytest.param(3000, 64, 32, 8, 128, id="T3000-page64-32x8x128"),
         pytest.param(2500, 16, 8, 8, 64, id="T2500-page16-8x8x64"),
+        pytest.param(2100, 128, 16, 2, 64, id="T2100-page128-16x2x64"),
+        pytest.param(1700, 32, 8, 2, 256, id="T1700-page32-8x2x256"),
     ]
 
     @pytest.mark.gpu
+    @pytest.mark.parametrize("path", ["auto", "never"], ids=["tma-on-hopper", "pointer"])
     @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize(("t", "ps", "hq", "hkv", "d"), LARGE)
-    def test_paged_attention_large_on_gpu(t, ps, hq, hkv, d, dtype):
+    def test_paged_attention_large_on_gpu(monkeypatch, t, ps, hq, hkv, d, dtype, path):
+        monkeypatch.setattr(tma_mod, "MODE", path)
         seqs = [
             Seq(list(range(t)), zigzag(t, 2, 0, ps)),
             Seq(list(range(t // 3)), shuffled(in_order(0, t // 3, ps), 6)),

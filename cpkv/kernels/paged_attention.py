@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpkv.kernels import naive
+from cpkv.kernels import naive, paged_attention_tma
 from cpkv.kernels._common import (
     HAS_TRITON,
     INT_DTYPES,
@@ -24,6 +24,9 @@ from cpkv.kernels._common import (
     use_triton,
 )
 from cpkv.kernels.page_table import PagedKVTable
+
+if HAS_TRITON:
+    from cpkv.kernels._attn_helpers import finish_softmax, key_range, query_block
 
 _NAME = "paged_partial_attention"
 
@@ -185,17 +188,6 @@ if HAS_TRITON:
         return acc, l_i, m_new
 
     @triton.jit
-    def finish_softmax(acc, l_i, m_i):
-        # The online softmax's end: (out normalised over the keys seen, natural-log LSE); rows
-        # that saw no key give 0 and -inf. m_i is in the exp2 domain.
-        seen = l_i > 0.0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        lse = tl.where(
-            seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf")
-        )
-        return out, lse
-
-    @triton.jit
     def _paged_attention_kernel(
         q_ptr,  # [Tq, Hq, D], unit stride on D
         q_pos_ptr,  # [Tq] int64
@@ -233,17 +225,11 @@ if HAS_TRITON:
         # then the rest of the rows that any of them may see (masked by position and length).
         pid = tl.program_id(0)
         head0 = tl.program_id(1) * HP
+        BLOCK_T: tl.constexpr = BLOCK_M // HP
         seq = tl.load(block_seq_ptr + pid)
         if seq >= n_seqs:
             return
-        BLOCK_T: tl.constexpr = BLOCK_M // HP
-        q_start = tl.load(cu_q_ptr + seq).to(tl.int32)
-        q_end = tl.load(cu_q_ptr + seq + 1).to(tl.int32)
-        n_blk = (q_end - q_start + BLOCK_T - 1) // BLOCK_T
-        local = pid - (tl.load(cu_blocks_ptr + seq).to(tl.int32) - n_blk)
-        # Last block first: with positions rising through the sequence, the blocks that see the
-        # most keys start first and the short ones fill the tail of the grid.
-        t0 = q_start + (n_blk - 1 - local) * BLOCK_T
+        t0, q_end = query_block(pid, seq, cu_q_ptr, cu_blocks_ptr, BLOCK_T)
 
         r = tl.arange(0, BLOCK_M)
         tok = t0 + r // HP
@@ -260,30 +246,10 @@ if HAS_TRITON:
         if UPCAST:
             q = q.to(tl.float32)
 
-        # Bound the key range from the page list: [lo, hi] spans every page with a slot at a
-        # position <= q_max (pages outside it hold no key any query here sees), and pages
-        # [lo, mid) are full and end at or before q_min (every query sees all their keys).
-        p_start = tl.load(cu_pages_ptr + seq).to(tl.int32)
-        p_end = tl.load(cu_pages_ptr + seq + 1).to(tl.int32)
-        lo = p_end
-        hi = p_start - 1
-        for c in range(p_start, p_end, SCAN):
-            idx = c + tl.arange(0, SCAN)
-            in_seq = idx < p_end
-            ppos = tl.load(page_pos_ptr + idx, mask=in_seq, other=0)
-            plen = tl.load(page_len_ptr + idx, mask=in_seq, other=0)
-            seen = in_seq & (plen > 0) & (ppos <= q_max)
-            lo = tl.minimum(lo, tl.min(tl.where(seen, idx, p_end), axis=0))
-            hi = tl.maximum(hi, tl.max(tl.where(seen, idx, p_start - 1), axis=0))
-        hi = tl.maximum(hi, lo - 1)  # no page seen: an empty range at lo
-        mid = hi + 1
-        for c in range(lo, hi + 1, SCAN):
-            idx = c + tl.arange(0, SCAN)
-            in_range = idx <= hi
-            ppos = tl.load(page_pos_ptr + idx, mask=in_range, other=0)
-            plen = tl.load(page_len_ptr + idx, mask=in_range, other=0)
-            partly = in_range & ((plen < PAGE_SIZE) | (ppos + (PAGE_SIZE - 1) > q_min))
-            mid = tl.minimum(mid, tl.min(tl.where(partly, idx, hi + 1), axis=0))
+        # Bound the key range from the page list (see key_range).
+        lo, mid, hi = key_range(
+            seq, q_min, q_max, cu_pages_ptr, page_pos_ptr, page_len_ptr, PAGE_SIZE, SCAN
+        )
 
         # Key rows count through the sequence's pages: row -> page row // PAGE_SIZE of the
         # table, slot row % PAGE_SIZE; a BLOCK_N tile may cover several pages or part of one.
@@ -531,10 +497,14 @@ def paged_partial_attention(
         return out.to(out_dtype), lse
 
     group = hq // hkv
-    cfg = config_for(q.dtype, d, group, max_q_len)
     # NOTE: Triton's interpreter (3.9) multiplies the raw bit patterns of bf16 tiles in tl.dot;
     # there the tiles go to fp32 first (so P is not rounded to bf16 as it is on the GPU).
     upcast = q.dtype == torch.bfloat16 and interpreter_enabled()
+    tma = paged_attention_tma.tma_supported(q, k_cache)
+    if tma:
+        cfg = paged_attention_tma.config_for(d, page_size, group, max_q_len)
+    else:
+        cfg = config_for(q.dtype, d, group, max_q_len)
     block_t = cfg.block_m // cfg.heads_per_program
     # NOTE: sum over sequences of cdiv(len, block_t) <= tq // block_t + B, so this bound
     # covers every block without reading the lengths.
@@ -544,6 +514,12 @@ def paged_partial_attention(
     out = torch.empty((tq, hq, d), dtype=out_dtype, device=device)
     lse = torch.empty((tq, hq), dtype=torch.float32, device=device)
     grid = (n_grid, hq // cfg.heads_per_program)
+    if tma:
+        paged_attention_tma.launch(
+            cfg, grid, q, q_pos, cu_q, k_cache, v_cache, pages, block_seq, cu_blocks, out, lse,
+            sm_scale * LOG2E, upcast,
+        )  # fmt: skip
+        return out, lse
     for_current_mode(_paged_attention_kernel)[grid](
         q,
         q_pos,

@@ -30,7 +30,7 @@ from cpkv.kernels._common import (
 from cpkv.kernels.merge_attn_states import merge_attn_states
 
 if HAS_TRITON:
-    from cpkv.kernels.paged_attention import finish_softmax
+    from cpkv.kernels._attn_helpers import finish_softmax
 
 __all__ = ["decode_splits", "num_sms", "paged_decode_attention"]
 
