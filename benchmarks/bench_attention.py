@@ -386,34 +386,32 @@ def tma_sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, ob
     and Triton's warp specialisation, around the FA2/FA3 shapes (128 query rows)."""
     shapes = {  # (block_m, block_n, heads, warps, stages, warp_specialize)
         128: [
-            (128, 64, 1, 8, 3, False),
-            (128, 64, 1, 8, 2, False),
-            (128, 64, 1, 8, 4, False),
-            (128, 128, 1, 8, 2, False),
-            (128, 128, 1, 8, 3, False),
             (128, 64, 1, 4, 3, False),
-            (64, 64, 1, 4, 3, False),
-            (64, 128, 1, 4, 3, False),
-            (128, 64, 2, 8, 3, False),
-            (128, 64, 4, 8, 3, False),
-            (128, 128, 2, 8, 2, False),
-            (256, 64, 1, 8, 3, False),
-            (128, 64, 1, 8, 3, True),
-            (128, 128, 1, 8, 2, True),
+            (128, 64, 1, 4, 2, False),
+            (128, 64, 1, 4, 4, False),
+            (128, 64, 2, 4, 3, False),
+            (128, 64, 4, 4, 3, False),
+            (128, 32, 1, 4, 3, False),
+            (128, 128, 1, 4, 2, False),
+            (64, 64, 1, 4, 2, False),
+            (256, 64, 1, 8, 2, False),
+            (256, 64, 2, 8, 3, False),
+            (128, 64, 1, 4, 3, True),
+            (128, 64, 1, 8, 3, False),
         ],
         64: [
-            (128, 64, 1, 8, 3, False),
-            (128, 128, 1, 8, 2, False),
-            (128, 128, 1, 8, 3, False),
-            (128, 128, 1, 4, 3, False),
             (64, 128, 1, 4, 2, False),
             (64, 128, 1, 4, 3, False),
+            (128, 128, 1, 4, 2, False),
+            (128, 64, 1, 4, 2, False),
             (128, 64, 1, 4, 3, False),
-            (128, 128, 2, 8, 3, False),
-            (128, 128, 4, 8, 3, False),
+            (64, 256, 1, 4, 2, False),
+            (64, 64, 1, 4, 2, False),
+            (128, 128, 2, 4, 2, False),
+            (64, 128, 2, 4, 2, False),
+            (64, 128, 4, 4, 2, False),
+            (64, 128, 1, 4, 2, True),
             (256, 128, 1, 8, 2, False),
-            (128, 128, 1, 8, 3, True),
-            (128, 64, 1, 8, 3, True),
         ],
     }
     return [(d, cfg_t(*shape)) for d in (128, 64) if d_only in (None, d) for shape in shapes[d]]
@@ -512,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(" | ".join(f"{k} {v}" for k, v in meta.items()))
     cfg = mod.config_for(DTYPE, HEAD_DIM, HQ // HKV, None)
-    print(f"bf16 D={HEAD_DIM} config: {cfg}")
+    print(f"bf16 D={HEAD_DIM} pointer-kernel config: {cfg}")
+    tma = importlib.import_module("cpkv.kernels.paged_attention_tma")
+    print(f"TMA configs: D=64 {tma.CONFIGS[64]}; D=128 {tma.CONFIGS[128]}")
     tab = Table()
     if not args.only_sweep:
         for d in TABLE_DIMS:
