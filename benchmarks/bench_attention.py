@@ -125,17 +125,28 @@ class Lane:
 
 
 def make_lane(
-    q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pages: list[int], page: int
+    q: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    pages: list[int],
+    page: int,
+    scatter: bool = False,
 ) -> Lane:
     """A lane holding the given page numbers (position ``n * page``) of the sequence, in that
-    order, at local ids 0..n-1."""
+    order, at local ids 0..n-1 (``scatter``: at a random permutation of them, as a pool that
+    has churned holds them)."""
     from cpkv.kernels import PagedKVTable
 
     t = q.shape[0]
     n = len(pages)
     idx = torch.tensor(pages, device=DEVICE, dtype=torch.int64)
-    k = k_all.view(-1, page, *k_all.shape[1:])[idx].contiguous()
-    v = v_all.view(-1, page, *v_all.shape[1:])[idx].contiguous()
+    local = torch.arange(n, device=DEVICE)
+    if scatter:
+        local = torch.randperm(n, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(n))
+    k = torch.empty((n, page, *k_all.shape[1:]), dtype=k_all.dtype, device=DEVICE)
+    v = torch.empty_like(k)
+    k[local] = k_all.view(-1, page, *k_all.shape[1:])[idx]
+    v[local] = v_all.view(-1, page, *v_all.shape[1:])[idx]
     # Slot j of page p (position p * page + j) is seen by the t - (p * page + j) queries at or
     # after it.
     pairs = sum(page * (t - p * page) for p in pages) - n * (page * (page - 1) // 2)
@@ -146,7 +157,7 @@ def make_lane(
         k,
         v,
         PagedKVTable(
-            torch.arange(n, device=DEVICE, dtype=torch.int32),
+            local.to(torch.int32),
             idx * page,
             torch.full((n,), page, device=DEVICE, dtype=torch.int32),
             torch.tensor([0, n], device=DEVICE, dtype=torch.int32),
@@ -208,14 +219,15 @@ def bench_causal(
     with_sdpa: bool = True,
     rep: int = 100,
     impl: str = "cpkv paged",
+    scatter: bool = False,
 ) -> Row:
     """One sequence, all pages on the lane in order: the kernel's row (and SDPA's)."""
     g = torch.Generator(device=DEVICE).manual_seed(t)
     q = torch.randn(t, HQ, head_dim, device=DEVICE, generator=g).to(DTYPE)
     k = torch.randn(t, HKV, head_dim, device=DEVICE, generator=g).to(DTYPE)
     v = torch.randn(t, HKV, head_dim, device=DEVICE, generator=g).to(DTYPE)
-    lane = make_lane(q, k, v, list(range(t // page)), page)
-    case = causal_case(t, page, head_dim)
+    lane = make_lane(q, k, v, list(range(t // page)), page, scatter)
+    case = causal_case(t, page, head_dim) + (" scattered" if scatter else "")
     flops = causal_flops(t, d=head_dim)
     out, _ = lane.call(K)
     ms = bench_ms(lambda: lane.call(K), rep=rep)
@@ -384,8 +396,12 @@ def sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, object
 def tma_sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, object]]:
     """(head dim, TMA config) pairs to time: tile shapes, pipelining depth, warps, GQA packing
     and Triton's warp specialisation, around the FA2/FA3 shapes (128 query rows)."""
-    shapes = {  # (block_m, block_n, heads, warps, stages, warp_specialize)
+    shapes = {  # (block_m, block_n, heads, warps, stages, warp_specialize, heads_first)
         128: [
+            (128, 64, 1, 4, 3, False, True),
+            (128, 64, 2, 4, 3, False, True),
+            (128, 64, 2, 4, 2, False, True),
+            (128, 128, 2, 4, 2, False, False),
             (128, 64, 1, 4, 3, False),
             (128, 64, 1, 4, 2, False),
             (128, 64, 1, 4, 4, False),
@@ -400,6 +416,9 @@ def tma_sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, ob
             (128, 64, 1, 8, 3, False),
         ],
         64: [
+            (64, 128, 1, 4, 2, False, True),
+            (64, 256, 1, 4, 2, False, True),
+            (64, 64, 1, 4, 2, False, True),
             (64, 128, 1, 4, 2, False),
             (64, 128, 1, 4, 3, False),
             (128, 128, 1, 4, 2, False),
@@ -449,6 +468,7 @@ def sweep(tab: Table, K, seconds: float, d_only: int | None = None, kernel: str 
                 f"D={d} M={cfg.block_m} N={cfg.block_n} hp={cfg.heads_per_program} "
                 f"w={cfg.num_warps} s={cfg.num_stages}"
                 + (" ws" if getattr(cfg, "warp_specialize", False) else "")
+                + (" heads-first" if getattr(cfg, "heads_first", False) else "")
             )
             sub = Table()
             sub.quiet = True
@@ -520,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_causal(tab, K, t, head_dim=d)
                 with kernel_path("never"):
                     bench_causal(tab, K, t, head_dim=d, with_sdpa=False, impl=POINTER)
+        # Pages at random local ids: the page table's indirection costs the TMA path nothing.
+        bench_causal(tab, K, 32 << 10, with_sdpa=False, scatter=True)
         for page in PAGE_SIZES:
             if page != PAGE:
                 bench_causal(tab, K, 32 << 10, page=page, with_sdpa=False)

@@ -374,21 +374,23 @@ def test_paged_attention_strided_queries():
 # ---------------------------------------------------------------------------------------------
 
 
-def tma_tiles(block_m: int, block_n: int, heads: int, stages: int = 2) -> dict:
+def tma_tiles(block_m: int, block_n: int, heads: int, heads_first: bool = False) -> dict:
     """Every TMA config replaced by small tiles (the interpreter's cost grows with them)."""
-    cfg = tma_mod.TmaConfig(block_m, block_n, heads, num_warps=4, num_stages=stages)
+    cfg = tma_mod.TmaConfig(
+        block_m, block_n, heads, num_warps=4, num_stages=2, heads_first=heads_first
+    )
     return {d: cfg for d in tma_mod.CONFIGS}
 
 
 TMA_TILINGS = {
-    "m16-n16": (16, 16, 1),  # page 64: 4 tiles a page
-    "m32-n64-2heads": (32, 64, 2),  # page 16: the tile cut to the page; 2 GQA heads a program
+    "m16-n16-heads-first": (16, 16, 1, True),  # 2-4 tiles a page; grid (heads, blocks)
+    "m32-n64-2heads": (32, 64, 2),  # page 32: the tile cut to the page; 2 GQA heads a program
 }
 
 
 @pytest.mark.parametrize("tiling", list(TMA_TILINGS), ids=list(TMA_TILINGS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("ps", [16, 64], ids=["page16", "page64"])
+@pytest.mark.parametrize("ps", [32, 64], ids=["page32", "page64"])
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
 def test_tma_path_matches_reference(monkeypatch, layout, ps, dtype, tiling):
     monkeypatch.setattr(tma_mod, "MODE", "always")
@@ -424,7 +426,7 @@ def test_tma_path_only_where_a_descriptor_fits(monkeypatch):
     assert tma_mod.tma_supported(q, k)
     assert not tma_mod.tma_supported(q.float(), k.float())  # 16-bit tiles only
     assert not tma_mod.tma_supported(q[..., :24], torch.zeros(3, 64, 2, 24))  # D not a box side
-    assert not tma_mod.tma_supported(q, torch.zeros(3, 8, 2, 64, dtype=torch.bfloat16))  # page 8
+    assert not tma_mod.tma_supported(q, torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16))  # page 16
     assert not tma_mod.tma_supported(q, torch.zeros(3, 48, 2, 64, dtype=torch.bfloat16))
     monkeypatch.setattr(tma_mod, "MODE", "auto")
     # Under the interpreter (or on a GPU other than sm_90) "auto" keeps the pointer kernel.
