@@ -77,12 +77,14 @@ class TmaConfig:
 
 
 # Tiling by head dim (16-bit tiles only). Measured on an H200 (triton 3.6; causal 32k, 32/8
-# heads, page 64, bf16; docs/gpu-run/hopper-attention/):
-# - D=128: 128 rows x 64 keys at 4 warps, 3 stages: 514 TFLOP/s, against 391-402 for the same
-#   tiles (or 128 keys) at 8 warps, 458 for 256 rows at 8 warps, 428-431 for 64 rows; GQA
-#   packing (2-4 heads) and Triton's warp specialisation changed nothing at 8 warps.
-# - D=64: 64 rows x 128 keys at 4 warps, 2 stages: 417 TFLOP/s, against 407 for 128x128 at 8
-#   warps, 377-385 at 3 stages, 250 for any 8-warp tile at 3 stages.
+# heads, page 64, bf16; four sweeps in docs/gpu-run/hopper-attention/, spread ~1%):
+# - D=128: 128 rows x 64 keys at 4 warps (one warpgroup), 3 stages: 514-522 TFLOP/s; 2 or 4
+#   stages, 128-key tiles and 2-4 GQA heads a program all within 1% of it; 8 warps 387-402,
+#   256 rows at 8 warps 458-468, 64 rows 428-441, 32-key tiles 410, head groups first 507-511.
+# - D=64: 64 rows x 128 keys at 4 warps, 2 stages: 416-421 TFLOP/s; 64- or 256-key tiles
+#   410-419, 3 stages 373-377, 128 rows 382-391, 2-4 GQA heads 371-380, 8 warps 250-407.
+# - Triton's warp specialisation (tl.range(warp_specialize=True)): at 4 warps the pass fails
+#   inside Triton 3.6 (an assertion), at 8 warps it compiles and changes nothing.
 # - D=16 / 32 (tiny test models) and 256: not tuned.
 CONFIGS: dict[int, TmaConfig] = {
     16: TmaConfig(block_m=64, block_n=64, heads_per_program=1, num_warps=4, num_stages=2),
