@@ -84,7 +84,8 @@ class TmaConfig:
 # - D=64: 64 rows x 128 keys at 4 warps, 2 stages: 416-421 TFLOP/s; 64- or 256-key tiles
 #   410-419, 3 stages 373-377, 128 rows 382-391, 2-4 GQA heads 371-380, 8 warps 250-407.
 # - Triton's warp specialisation (tl.range(warp_specialize=True)): at 4 warps the pass fails
-#   inside Triton 3.6 (an assertion), at 8 warps it compiles and changes nothing.
+#   inside Triton 3.6 (an assertion), at 8 warps it compiles and changes nothing. Loading the
+#   query tile by descriptor too (kept in shared memory) changed nothing either (500-517).
 # - D=16 / 32 (tiny test models) and 256: not tuned.
 CONFIGS: dict[int, TmaConfig] = {
     16: TmaConfig(block_m=64, block_n=64, heads_per_program=1, num_warps=4, num_stages=2),
