@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import itertools
 import json
 import sys
 import time
@@ -263,6 +264,66 @@ def kernel_path(mode: str) -> Iterator[None]:
         yield
     finally:
         mod.MODE = saved
+
+
+MIXED_LENGTHS = (512, 1000, 2048, 3000, 4096, 6000, 8192, 16384)
+
+
+def bench_mixed(tab: Table, K, head_dim: int = HEAD_DIM) -> None:
+    """A batch of sequences of mixed lengths (not multiples of the page or the tile), each
+    causal over its own pages at scattered local ids: both kernel paths, and SDPA cuDNN
+    called once per sequence (it has no ragged batch) for scale."""
+    from cpkv.kernels import PagedKVTable
+
+    g = torch.Generator(device=DEVICE).manual_seed(head_dim)
+    lens = MIXED_LENGTHS
+    n_pages = [-(-t // PAGE) for t in lens]
+    total_pages = sum(n_pages)
+    qs = [torch.randn(t, HQ, head_dim, device=DEVICE, generator=g).to(DTYPE) for t in lens]
+    ks = [torch.randn(t, HKV, head_dim, device=DEVICE, generator=g).to(DTYPE) for t in lens]
+    vs = [torch.randn(t, HKV, head_dim, device=DEVICE, generator=g).to(DTYPE) for t in lens]
+    local = torch.randperm(total_pages, device=DEVICE, generator=g)
+    k = torch.zeros(total_pages, PAGE, HKV, head_dim, dtype=DTYPE, device=DEVICE)
+    v = torch.zeros_like(k)
+    pos, plen, i = [], [], 0
+    for t, kk, vv in zip(lens, ks, vs, strict=True):
+        for p in range(0, t, PAGE):
+            n = min(PAGE, t - p)
+            k[local[i], :n], v[local[i], :n] = kk[p : p + n], vv[p : p + n]
+            pos.append(p)
+            plen.append(n)
+            i += 1
+    cu = torch.tensor([0, *itertools.accumulate(lens)], device=DEVICE, dtype=torch.int32)
+    cu_p = torch.tensor([0, *itertools.accumulate(n_pages)], device=DEVICE, dtype=torch.int32)
+    pages = PagedKVTable(
+        local.to(torch.int32),
+        torch.tensor(pos, device=DEVICE, dtype=torch.int64),
+        torch.tensor(plen, device=DEVICE, dtype=torch.int32),
+        cu_p,
+    )
+    q = torch.cat(qs)
+    q_pos = torch.cat([torch.arange(t, device=DEVICE) for t in lens])
+    flops = sum(causal_flops(t, d=head_dim) for t in lens)
+    case = f"mixed {len(lens)} seqs D={head_dim}"
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        return K.paged_partial_attention(
+            q, q_pos, cu, k, v, pages, head_dim**-0.5, max_q_len=max(lens)
+        )
+
+    outs = []
+    for path, impl in (("auto", "cpkv paged"), ("never", POINTER)):
+        with kernel_path(path):
+            outs.append(call()[0])
+            ms = bench_ms(call)
+        note = f"lengths {list(lens)}"
+        if len(outs) == 2:
+            note += f"; max |tma - pointer| {(outs[0] - outs[1]).abs().max().item():.1e}"
+        tab.add(Row(case, impl, ms, flops / ms / 1e9, note=note))
+    fns = [sdpa_fns(qq, kk, vv).get("cudnn") for qq, kk, vv in zip(qs, ks, vs, strict=True)]
+    if all(fns):
+        ms = bench_ms(lambda: [fn() for fn, _ in fns])
+        tab.add(Row(case, "sdpa cudnn, one call a sequence", ms, flops / ms / 1e9))
 
 
 def bench_zigzag(tab: Table, K, t: int, one_lane_ms: float) -> None:
@@ -535,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_causal(tab, K, t, head_dim=d)
                 with kernel_path("never"):
                     bench_causal(tab, K, t, head_dim=d, with_sdpa=False, impl=POINTER)
+        for d in TABLE_DIMS:
+            bench_mixed(tab, K, d)
         # Pages at random local ids: the page table's indirection costs the TMA path nothing.
         bench_causal(tab, K, 32 << 10, with_sdpa=False, scatter=True)
         for page in PAGE_SIZES:
