@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import ray
 
+from cpkv.coordinator.channel import MovesNotApplied
 from cpkv.core.config import KVShape
 from cpkv.core.steps import StepRequest, StepResult
 
@@ -131,9 +132,16 @@ class LaneActor:
         return self._worker.init_group(group_id, host, port, backend, timeout_s)
 
     @ray.method(num_returns=2)
-    def step(self, step: StepRequest) -> tuple[dict, StepResult]:
+    def step(self, step: StepRequest, moves: tuple | None = None) -> tuple[dict, StepResult]:
         """``(status, result)``: the coordinator reads the small status (did the step write
-        its K/V?), the client the result. A step that fails raises through both."""
+        its K/V?), the client the result. A step that fails raises through both. ``moves``:
+        the page move that rode with the step (``apply``'s arguments), applied first; one the
+        shard refuses raises :class:`MovesNotApplied` and the step does not run."""
+        if moves is not None:
+            try:
+                self._shard.apply(*moves)
+            except Exception as e:
+                raise MovesNotApplied(f"lane {self._lane}: {type(e).__name__}: {e}") from e
         out = self._worker.step(self._shard, step)
         return {"step_id": step.step_id, "lane": self._lane}, out
 

@@ -18,15 +18,34 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["LaneChannel", "LaneDeadError", "LaneTransport"]
+__all__ = ["LaneChannel", "LaneDeadError", "LaneTransport", "MovesNotApplied", "RidingMoves"]
 
 
 class LaneDeadError(RuntimeError):
     """The lane's actor died or is restarting: its reply will never come."""
+
+
+class MovesNotApplied(RuntimeError):
+    """A lane refused the page moves that rode with a step (its record left the mirror's):
+    the step did not run. Told apart from the step's own failures, which reset no lane."""
+
+
+@dataclass(frozen=True, slots=True)
+class RidingMoves:
+    """A page move registered for a lane that travels inside its next step call.
+
+    Attributes:
+        args: the move's arguments as the lane's ``apply`` takes them.
+        future: set to the step's status handle once the step is submitted.
+    """
+
+    args: tuple
+    future: Future
 
 
 class LaneTransport(Protocol):
@@ -62,8 +81,9 @@ class LaneChannel:
         self._gen_numbers = itertools.count(1)
         self._generations: list[str | None] = [None] * cp_size
         self._next_seq = [1] * cp_size
-        # (lane, generation, seq, handle future) of moves not yet seen answered.
-        self._pending: deque[tuple[int, str, int, Future]] = deque()
+        # (lane, generation, seq, handle future, rides with a step) of moves not yet seen
+        # answered.
+        self._pending: deque[tuple[int, str, int, Future, bool]] = deque()
         self._pending_lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         # Per lane, releases held back (this generation): they ride with the lane's next move.
@@ -115,6 +135,40 @@ class LaneChannel:
         NOTE: callers queue moves in decision order (under the coordinator's lock);
         the sender keeps that order.
         """
+        args, future = self._register_move(lane, taken, released, op, owner, cached, False)
+        self._outbox.put((lane, "apply", args, future))
+        self.num_calls += 1
+        return args[1]
+
+    def moves_for_step(
+        self,
+        lane: int,
+        taken: np.ndarray,
+        released: np.ndarray,
+        op: str,
+        owner: int = 0,
+        cached: np.ndarray | None = None,
+    ) -> RidingMoves | None:
+        """Register ``lane``'s page move (with the releases held back for it) to ride inside
+        its next step call (:meth:`submit_step`) instead of a call of its own: one lane task
+        fewer before the step. ``None`` when there is nothing to move."""
+        if not (taken.size or released.size or self._held_back[lane]) and (
+            cached is None or not cached.size
+        ):
+            return None
+        args, future = self._register_move(lane, taken, released, op, owner, cached, True)
+        return RidingMoves(args, future)
+
+    def _register_move(
+        self,
+        lane: int,
+        taken: np.ndarray,
+        released: np.ndarray,
+        op: str,
+        owner: int,
+        cached: np.ndarray | None,
+        rides: bool,
+    ) -> tuple[tuple, Future]:
         gen = self._generations[lane]
         assert gen is not None, f"lane {lane} has no generation yet"
         held = self._held_back[lane]
@@ -125,14 +179,12 @@ class LaneChannel:
         self._next_seq[lane] = seq + 1
         future: Future = Future()
         with self._pending_lock:
-            self._pending.append((lane, gen, seq, future))
+            self._pending.append((lane, gen, seq, future, rides))
         args = (gen, seq, taken, released, owner)
         if cached is not None and cached.size:
             args += (cached,)
-        self._outbox.put((lane, "apply", args, future))
-        self.num_calls += 1
         self.num_moves_by_op[op] = self.num_moves_by_op.get(op, 0) + 1
-        return seq
+        return args, future
 
     def hold_release(self, lane: int, released: np.ndarray) -> None:
         """Keep a move that only releases pages until ``lane``'s next move (it goes first
@@ -162,6 +214,15 @@ class LaneChannel:
         self._outbox.put((lane, method, args, future))
         return future
 
+    def submit_step(self, lane: int, step: Any, moves: RidingMoves | None) -> Future:
+        """Queue ``lane``'s step call, carrying its page move when there is one; a future of
+        its ``(status, result)`` handles."""
+        if moves is None:
+            return self.submit(lane, "step", step)
+        future: Future = Future()
+        self._outbox.put((lane, "step", (step, moves.args), future, moves.future))
+        return future
+
     def call(self, lane: int, method: str, *args: Any, timeout: float) -> Any:
         """Queue a lane call and wait for its result (never call this holding a lock
         that the caller's other threads need)."""
@@ -175,7 +236,8 @@ class LaneChannel:
     # ---------------------------------------------------------------- replies
     def poll(self) -> list[tuple[int, BaseException]]:
         """Forget the moves answered by now; return ``(lane, error)`` of those that failed
-        in their lane's current generation. Never blocks."""
+        in their lane's current generation (a move that rode with a step failed only when the
+        lane refused it or died: the step's own failures are the step's). Never blocks."""
         with self._pending_lock:
             submitted = [p for p in self._pending if p[3].done()]
         if not submitted:
@@ -193,8 +255,11 @@ class LaneChannel:
             finished.append(p)
             try:
                 self._transport.result(handle, 0.0)
-            except Exception as e:  # any failure: the lane diverged from the mirror
+            except (MovesNotApplied, LaneDeadError) as e:
                 errors.append((p, e))
+            except Exception as e:  # any failure of a move call: the lane left the mirror
+                if not p[4]:
+                    errors.append((p, e))
         failures = [(p[0], e) for p, e in errors if p[1] == self._generations[p[0]]]
         ids = {id(p) for p in finished}
         with self._pending_lock:
@@ -225,10 +290,14 @@ class LaneChannel:
             item = self._outbox.get()
             if item is _STOP:
                 return
-            lane, method, args, future = item
+            lane, method, args, future, *move = item
             try:
                 handle = self._transport.submit(lane, method, *args)
             except Exception as e:  # a submission error surfaces like a failed call
                 future.set_exception(e)
+                for f in move:
+                    f.set_exception(e)
                 continue
             future.set_result(handle)
+            for f in move:  # the move rode with a step: it is answered by the step's status
+                f.set_result(handle[0])

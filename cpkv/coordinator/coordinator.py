@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from cpkv.coordinator.channel import LaneChannel, LaneTransport
+from cpkv.coordinator.channel import LaneChannel, LaneTransport, RidingMoves
 from cpkv.coordinator.supervisor import DEAD, RESTARTING, UP, LaneSupervisor
 from cpkv.core.allocator import CPAllocator, ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
@@ -397,11 +397,14 @@ class Coordinator:
                 )
                 answer = {"allocations": self._for_caller(allocs)}
                 seqs = self._extend_sequences(allocs, tokens)
-            self._dispatch(op, client_id)  # NOTE: the page moves are queued before the step
+            # NOTE: each lane's page moves ride in its step call, applied before the step runs.
+            moves = self._dispatch_with_step(op, client_id)
             self._step_count += 1
             step = StepRequest(self._step_count, group, tuple(seqs), mode, probe, sample)
             shared = self._share(step) if _worth_sharing(step, self.config.cp_size) else step
-            handles = [self._channel.submit(r, "step", shared) for r in range(self.config.cp_size)]
+            handles = [
+                self._channel.submit_step(r, shared, moves[r]) for r in range(self.config.cp_size)
+            ]
             self._track_step(step, handles)
             answer["lanes"] = handles
             return answer
@@ -895,6 +898,17 @@ class Coordinator:
                 self._channel.send_moves(r, taken, released, op, owner, cached[r])
             elif released.size:
                 self._channel.hold_release(r, released)
+
+    def _dispatch_with_step(self, op: str, client_id: str | None) -> list[RidingMoves | None]:
+        """Register each lane's page moves (and its releases held back) to ride in the step
+        about to be sent to every lane: per lane, the move or ``None``. Measured on the
+        2-core machine: a move's own lane call cost a 16-token prefill ~0.55 ms."""
+        cached = self._core.drain_cached_pages()
+        owner = self._owner_id(client_id)
+        return [
+            self._channel.moves_for_step(r, taken, released, op, owner, cached[r])
+            for r, (taken, released) in enumerate(self._core.drain_page_moves())
+        ]
 
     def _held_per_lane(self) -> list[int]:
         free = self._core.num_free_pages_per_lane()
