@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cpkv.coordinator.channel import LaneChannel, LaneDeadError, MovesNotApplied
+from cpkv.coordinator.channel import LaneChannel, LaneDeadError
+from cpkv.core.moves import MovesNotApplied
 
 I32 = np.int32
 
@@ -70,7 +71,7 @@ def test_a_move_rides_in_its_step_call_after_the_moves_queued_before_it(channel)
     calls = submitted(transport, 3)
     assert [(lane, method) for lane, method, _ in calls] == [(0, "apply"), (0, "step"), (1, "step")]
     assert calls[1][2] == ("the-step", moves.args) and calls[2][2] == ("the-step",)
-    assert ch.num_calls == 1  # the riding move made no call of its own
+    assert ch.num_calls == 1 and ch.num_riding_moves == 1  # no call of its own
     assert ch.num_moves_by_op == {"extend": 1, "prefill": 1}
     status, _result = step_future.result(timeout=5)
     assert moves.future.result(timeout=5) is status  # the move is answered by the status

@@ -72,6 +72,7 @@ from cpkv import (
     build_owner_plan,
     in_seq_page_compute_owner_unavailable_reason,
 )
+from cpkv.coordinator.channel import LaneDeadError
 from cpkv.coordinator.coordinator import Coordinator
 from cpkv.core.validate import RequestKey, user_rid
 from cpkv.errors import LeaseExpiredError, StepFailedError
@@ -1377,8 +1378,17 @@ class RecordingTransport(LocalLaneTransport):
     def submit(self, lane: int, method: str, *args):
         if method == "step":  # every step here fails: a lane raised mid-step
             status, result = Future(), Future()
+            error: Exception = RuntimeError(f"lane {lane} raised mid-step")
+            if lane in self.dead:
+                error = LaneDeadError(f"lane {lane} is dead")
+            else:
+                try:  # the page move riding in the call lands first, as on a lane actor
+                    self.shards[lane].apply_riding(args[1] if len(args) > 1 else None)
+                except Exception as e:
+                    self.refused.append((lane, args[1][:2], repr(e)))
+                    error = e
             for f in (status, result):
-                f.set_exception(RuntimeError(f"lane {lane} raised mid-step"))
+                f.set_exception(error)
             return status, result
         future = super().submit(lane, method, *args)
         if method == "apply" and future.exception() is not None:

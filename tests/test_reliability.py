@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from cpkv import CPConfig, KVShape
+from cpkv.coordinator.channel import LaneDeadError
 from cpkv.coordinator.coordinator import Coordinator
 from cpkv.core.reply_cache import DROPPED, ReplyCache
 from cpkv.core.steps import StepResult
@@ -57,6 +58,14 @@ class StepLanes(LocalLaneTransport):
             return super().submit(lane, method, *args)
         step = args[0]
         status, result = Future(), Future()
+        try:  # the page move riding in the call lands first, as on a lane actor
+            if lane in self.dead:
+                raise LaneDeadError(f"lane {lane} is dead")
+            self.shards[lane].apply_riding(args[1] if len(args) > 1 else None)
+        except Exception as e:
+            status.set_exception(e)
+            result.set_exception(e)
+            return status, result
         if step.step_id in self.fail:
             err = RuntimeError(f"lane {lane}: step {step.step_id} failed")
             status.set_exception(err)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import ray
 
-from cpkv.coordinator.channel import MovesNotApplied
 from cpkv.core.config import KVShape
 from cpkv.core.steps import StepRequest, StepResult
 
@@ -136,12 +135,9 @@ class LaneActor:
         """``(status, result)``: the coordinator reads the small status (did the step write
         its K/V?), the client the result. A step that fails raises through both. ``moves``:
         the page move that rode with the step (``apply``'s arguments), applied first; one the
-        shard refuses raises :class:`MovesNotApplied` and the step does not run."""
-        if moves is not None:
-            try:
-                self._shard.apply(*moves)
-            except Exception as e:
-                raise MovesNotApplied(f"lane {self._lane}: {type(e).__name__}: {e}") from e
+        shard refuses raises :class:`~cpkv.core.moves.MovesNotApplied` and the step does not
+        run."""
+        self._shard.apply_riding(moves)
         out = self._worker.step(self._shard, step)
         return {"step_id": step.step_id, "lane": self._lane}, out
 

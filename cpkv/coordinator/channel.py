@@ -23,16 +23,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["LaneChannel", "LaneDeadError", "LaneTransport", "MovesNotApplied", "RidingMoves"]
+from cpkv.core.moves import MovesNotApplied
+
+__all__ = ["LaneChannel", "LaneDeadError", "LaneTransport", "RidingMoves"]
 
 
 class LaneDeadError(RuntimeError):
     """The lane's actor died or is restarting: its reply will never come."""
-
-
-class MovesNotApplied(RuntimeError):
-    """A lane refused the page moves that rode with a step (its record left the mirror's):
-    the step did not run. Told apart from the step's own failures, which reset no lane."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +86,7 @@ class LaneChannel:
         # Per lane, releases held back (this generation): they ride with the lane's next move.
         self._held_back: list[list[np.ndarray]] = [[] for _ in range(cp_size)]
         self.num_calls = 0
+        self.num_riding_moves = 0
         self.num_moves_by_op: dict[str, int] = {}
         self._sender = threading.Thread(target=self._send_loop, daemon=True, name="cpkv-sender")
         self._sender.start()
@@ -100,6 +98,7 @@ class LaneChannel:
     def reset_counters(self) -> None:
         """Zero the call counts (the pool was reset)."""
         self.num_calls = 0
+        self.num_riding_moves = 0
         self.num_moves_by_op.clear()
 
     # ------------------------------------------------------------- submitting
@@ -157,6 +156,7 @@ class LaneChannel:
         ):
             return None
         args, future = self._register_move(lane, taken, released, op, owner, cached, True)
+        self.num_riding_moves += 1
         return RidingMoves(args, future)
 
     def _register_move(

@@ -728,6 +728,7 @@ class Coordinator:
             out["restarting_lanes"] = [r for r, s in enumerate(states) if s == RESTARTING]
             out["dead_lanes"] = [r for r, s in enumerate(states) if s == DEAD]
             out["lane_calls"] = self._channel.num_calls
+            out["moves_in_step_calls"] = self._channel.num_riding_moves
             out["lane_calls_by_op"] = dict(self._channel.num_moves_by_op)
             out["pending_lane_calls"] = self._channel.num_pending
             out["num_leases"] = self._leases.num_leases

@@ -6,9 +6,14 @@ import numpy as np
 
 from cpkv.core.layout import PageLayout
 
-__all__ = ["MoveJournal"]
+__all__ = ["MoveJournal", "MovesNotApplied"]
 
 _EMPTY_I32 = np.empty(0, dtype=np.int32)
+
+
+class MovesNotApplied(RuntimeError):
+    """A lane refused the page moves that rode in a step call (its record left the mirror's):
+    the step did not run. Told apart from the step's own failures, which reset no lane."""
 
 
 class MoveJournal:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from cpkv.core.config import KVShape
+from cpkv.core.moves import MovesNotApplied
 from cpkv.core.reply_cache import ReplyCache
 from cpkv.errors import InvalidRequestError
 
@@ -142,6 +143,20 @@ class LaneShard:
         self._next_seq += 1
         self.num_applied += 1
         return self._replies.put(seq, self.num_held_pages)
+
+    def apply_riding(self, moves: tuple | None) -> None:
+        """Apply the page move that rode in a step call (``apply``'s arguments), before the
+        step runs.
+
+        Raises:
+            MovesNotApplied: the shard refused the move (the step must not run).
+        """
+        if moves is None:
+            return
+        try:
+            self.apply(*moves)
+        except Exception as e:
+            raise MovesNotApplied(f"lane {self.lane}: {type(e).__name__}: {e}") from e
 
     def reset(self, generation: str) -> str:
         """Every page free, moves numbered from 1 in ``generation``; returns the incarnation."""
