@@ -388,8 +388,14 @@ TMA_TILINGS = {
 }
 
 
-@pytest.mark.parametrize("tiling", list(TMA_TILINGS), ids=list(TMA_TILINGS))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+# Each tiling with its own dtype (as DTYPE_TILINGS): every layout meets both at half the cost.
+TMA_DTYPE_TILINGS = [
+    pytest.param(torch.float16, "m16-n16-heads-first", id="fp16-m16-n16-heads-first"),
+    pytest.param(torch.bfloat16, "m32-n64-2heads", id="bf16-m32-n64-2heads"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "tiling"), TMA_DTYPE_TILINGS)
 @pytest.mark.parametrize("ps", [32, 64], ids=["page32", "page64"])
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
 def test_tma_path_matches_reference(monkeypatch, layout, ps, dtype, tiling):
