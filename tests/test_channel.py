@@ -103,3 +103,14 @@ def test_a_failed_move_call_is_reported_whatever_its_error(channel):
     handle = ch._pending[0][3].result(timeout=5)
     handle.set_exception(ValueError("diverged"))
     assert [lane for lane, _ in ch.poll()] == [0]
+
+
+def test_a_step_handle_without_a_status_fails_its_move_and_the_sender_goes_on(channel):
+    ch, transport = channel
+    transport.submit = lambda lane, method, *args: Future()  # one handle, not (status, result)
+    moves = ch.moves_for_step(0, np.array([2], I32), np.empty(0, I32), "prefill")
+    with pytest.raises(TypeError):
+        ch.submit_step(0, "s", moves).result(timeout=5)
+    with pytest.raises(TypeError):
+        moves.future.result(timeout=5)
+    assert isinstance(ch.submit(1, "heartbeat").result(timeout=5), Future)  # still sending

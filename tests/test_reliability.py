@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from cpkv import CPConfig, KVShape
+from cpkv.coordinator import coordinator as coordinator_module
 from cpkv.coordinator.channel import LaneDeadError
 from cpkv.coordinator.coordinator import Coordinator
 from cpkv.core.reply_cache import DROPPED, ReplyCache
@@ -53,7 +54,8 @@ class StepLanes(LocalLaneTransport):
     def submit(self, lane, method, *args):
         if lane in self.hung:
             self.calls.append((lane, method))
-            return Future()  # never answered
+            # Never answered (a step, as a Ray method of two returns, gives two handles).
+            return (Future(), Future()) if method == "step" else Future()
         if method != "step":
             return super().submit(lane, method, *args)
         step = args[0]
@@ -124,6 +126,28 @@ def test_a_failed_prefill_never_reaches_the_prefix_cache():
     assert coord.stats()["cached"] == [0, 0]
     again = prefill(coord, "a", "r2", prompt)
     assert again["allocations"][0].cached_len == 0  # no hit on pages never written
+    assert coord.check()["ok"]
+
+
+def test_a_step_that_cannot_be_sent_leaves_no_gap_in_the_lanes_page_moves(monkeypatch):
+    """Putting the step in the object store fails after its pages were decided: the page moves
+    riding in it were never numbered, so the next step's reach the lanes in order."""
+    coord, lanes = make()
+    coord.hello("a")
+    monkeypatch.setattr(coordinator_module, "_worth_sharing", lambda step, cp: True)
+    failures = iter([MemoryError("object store full")])
+
+    def share(obj):
+        for error in failures:
+            raise error
+        return obj
+
+    lanes.share = share
+    with pytest.raises(MemoryError):
+        prefill(coord, "a", "r", np.arange(1, 33))
+    prefill(coord, "a", "r2", np.arange(40, 60))
+    assert coord.stats()["lane_losses"] == []
+    assert all(s.last_seq == 1 for s in lanes.shards)  # the second step's moves: seq 1
     assert coord.check()["ok"]
 
 

@@ -88,6 +88,30 @@ def test_a_step_that_fails_on_one_lane_fails_on_all_at_once_and_poisons_nothing(
     assert c.check()["ok"]
 
 
+def test_a_lane_that_refuses_a_steps_page_moves_fails_the_step_at_once_and_is_reset(
+    make_client,
+):
+    """A lane whose record left the mirror (here: reset behind the coordinator's back, which no
+    heartbeat sees on an empty lane) refuses the page move riding in its step call: it must
+    leave the group so its peer fails now, not at the collective timeout, and be reset."""
+    c = make_client(cp_size=2, fresh=True)
+    hq, hkv, d = 4, DEFAULTS["num_heads"], DEFAULTS["head_dim"]
+    n = 16  # 4 pages, drawn in rotation: both lanes take some
+    probe = tuple(torch.randn(n, h, d) for h in (hq, hkv, hkv))
+    ray.get(c.lanes[1].reset.remote("not-the-coordinators:1"))
+    t0 = time.monotonic()
+    with pytest.raises((StepFailedError, LaneUnavailableError)):
+        c.prefill("refused", np.arange(n), probe=probe, mode="pass_kv")
+    assert time.monotonic() - t0 < 15, "the peer waited for its collective timeout"
+    wait_for(lambda: c.stats()["lane_losses"])
+    assert [lane for lane, _ in c.stats()["lane_losses"]] == [1]
+    with contextlib.suppress(StepFailedError, LaneUnavailableError):
+        c.free("refused")
+    res = c.prefill("after", np.arange(100, 100 + n), probe=probe, deadline_s=60)
+    assert res.attention.shape == (n, hq, d)
+    assert c.check()["ok"]
+
+
 # ------------------------------------------------------------------------------ 19.3
 def test_a_call_retried_with_its_call_id_takes_effect_once(make_client):
     c = make_client()

@@ -18,6 +18,7 @@ import numpy as np
 import ray
 
 from cpkv.core.config import KVShape
+from cpkv.core.moves import MovesNotApplied
 from cpkv.core.steps import StepRequest, StepResult
 
 if TYPE_CHECKING:
@@ -137,7 +138,16 @@ class LaneActor:
         the page move that rode with the step (``apply``'s arguments), applied first; one the
         shard refuses raises :class:`~cpkv.core.moves.MovesNotApplied` and the step does not
         run."""
-        self._shard.apply_riding(moves)
+        if moves is not None:
+            try:
+                if self._shard is None:  # restarted without a size: never reset since
+                    raise MovesNotApplied(f"lane {self._lane} has no shard")
+                self._shard.apply_riding(moves)
+            except MovesNotApplied:
+                # NOTE: the step will not run here: its peers must not wait in its collectives,
+                # nor pair this lane's next step with this one.
+                self._worker.leave_group()
+                raise
         out = self._worker.step(self._shard, step)
         return {"step_id": step.step_id, "lane": self._lane}, out
 

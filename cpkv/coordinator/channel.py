@@ -272,7 +272,8 @@ class LaneChannel:
             return len(self._pending)
 
     def wait_oldest(self, timeout: float) -> None:
-        """Block until the oldest move in flight is answered (back-pressure), or ``timeout``."""
+        """Block until the oldest move in flight is answered (back-pressure), or ``timeout``
+        (a move that rode in a step is answered when the step is)."""
         with self._pending_lock:
             if not self._pending:
                 return
@@ -293,6 +294,7 @@ class LaneChannel:
             lane, method, args, future, *move = item
             try:
                 handle = self._transport.submit(lane, method, *args)
+                status = handle[0] if move else None  # a step's (status, result) handles
             except Exception as e:  # a submission error surfaces like a failed call
                 future.set_exception(e)
                 for f in move:
@@ -300,4 +302,4 @@ class LaneChannel:
                 continue
             future.set_result(handle)
             for f in move:  # the move rode with a step: it is answered by the step's status
-                f.set_result(handle[0])
+                f.set_result(status)

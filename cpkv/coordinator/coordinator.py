@@ -397,11 +397,12 @@ class Coordinator:
                 )
                 answer = {"allocations": self._for_caller(allocs)}
                 seqs = self._extend_sequences(allocs, tokens)
-            # NOTE: each lane's page moves ride in its step call, applied before the step runs.
-            moves = self._dispatch_with_step(op, client_id)
             self._step_count += 1
             step = StepRequest(self._step_count, group, tuple(seqs), mode, probe, sample)
             shared = self._share(step) if _worth_sharing(step, self.config.cp_size) else step
+            # NOTE: each lane's page moves ride in its step call, applied before the step runs;
+            # registered (numbered, fenced) only once nothing can fail before the calls queue.
+            moves = self._dispatch_with_step(op, client_id)
             handles = [
                 self._channel.submit_step(r, shared, moves[r]) for r in range(self.config.cp_size)
             ]
@@ -727,6 +728,8 @@ class Coordinator:
             out["lane_states"] = states
             out["restarting_lanes"] = [r for r, s in enumerate(states) if s == RESTARTING]
             out["dead_lanes"] = [r for r, s in enumerate(states) if s == DEAD]
+            # Page moves sent as calls of their own (allocations, frees, flushed releases),
+            # those that rode in step calls instead, and both kinds by the op that made them.
             out["lane_calls"] = self._channel.num_calls
             out["moves_in_step_calls"] = self._channel.num_riding_moves
             out["lane_calls_by_op"] = dict(self._channel.num_moves_by_op)

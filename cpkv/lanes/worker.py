@@ -139,6 +139,17 @@ class LaneWorker:
                 threading.Timer(0.5, os._exit, (71,)).start()
         self.group, self.group_id = None, None
 
+    def leave_group(self) -> None:
+        """Leave the group after a step failed here, or could not start (its page moves were
+        refused): peers blocked in a collective with this lane fail now ("connection
+        closed") instead of at the group's timeout, and every lane then refuses steps of
+        this group until the coordinator builds a new one."""
+        try:
+            self.destroy_group()
+        except Exception:
+            logger.exception("lane %d: leaving the lane group failed", self.lane)
+            self.group, self.group_id = None, None
+
     # ------------------------------------------------------------------- step
     def step(self, shard: LaneShard, step: StepRequest) -> StepResult:
         """Run one step on this lane; a collective over the lane group.
@@ -181,14 +192,7 @@ class LaneWorker:
                 self.group, self.group_id = None, None
                 _exit_soon(self.lane, e)
                 raise RuntimeError(f"lane {self.lane}: CUDA error in step: {e}") from None
-            # Leave the group at once: peers blocked in a collective with this lane fail
-            # now ("connection closed") instead of at the group's timeout, and every lane
-            # then refuses steps of this group until the coordinator builds a new one.
-            try:
-                self.destroy_group()
-            except Exception:
-                logger.exception("lane %d: leaving the lane group failed", self.lane)
-                self.group, self.group_id = None, None
+            self.leave_group()
             raise
 
     def _run(self, shard: LaneShard, step: StepRequest) -> StepResult:
