@@ -1,5 +1,6 @@
 """``@triton.jit`` helpers shared by the prefill and decode attention kernels: a program's
-query block, the key range it sees through the page list, and the online softmax's end."""
+query block, the key range it sees through the page list, the online softmax's tile step
+and its end."""
 
 from __future__ import annotations
 
@@ -56,6 +57,25 @@ if HAS_TRITON:
             partly = in_range & ((plen < PAGE_SIZE) | (ppos + (PAGE_SIZE - 1) > q_min))
             mid = tl.minimum(mid, tl.min(tl.where(partly, idx, hi + 1), axis=0))
         return lo, mid, hi
+
+    @triton.jit
+    def softmax_tile(qk, m_i, l_i, visible, qk_scale, MASK: tl.constexpr):
+        # One key tile's step of the online softmax on its raw scores qk = q.k (exp2 domain
+        # after qk_scale): returns (p, alpha, l_i, m_new); the caller rescales its output by
+        # alpha and adds p @ v. With MASK, scores where not visible are dropped.
+        if MASK:
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen nothing yet keeps m = -inf; shift it by 0 so exp2 gives 0s.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+        else:
+            # Every score is finite here: scale the row max, not each score (one FMA each).
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+        return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
     @triton.jit
     def finish_softmax(acc, l_i, m_i):

@@ -26,7 +26,7 @@ from cpkv.kernels._common import (
 from cpkv.kernels.page_table import PagedKVTable
 
 if HAS_TRITON:
-    from cpkv.kernels._attn_helpers import finish_softmax, key_range, query_block
+    from cpkv.kernels._attn_helpers import finish_softmax, key_range, query_block, softmax_tile
 
 _NAME = "paged_partial_attention"
 
@@ -149,7 +149,9 @@ if HAS_TRITON:
             kv_off = ((page * PAGE_SIZE + s) * KV_ROW)[:, None] + kv_base[None, :]
             kv_mask = valid[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+            visible = valid[None, :] & ((ppos + s)[None, :] <= q_pos[:, None])
         else:
+            visible = None
             page = tl.load(page_table_ptr + rows // PAGE_SIZE).to(tl.int64)
             slot = (page * PAGE_SIZE + rows % PAGE_SIZE) * KV_ROW
             kv_off = slot[:, None] + kv_base[None, :]
@@ -159,22 +161,8 @@ if HAS_TRITON:
                 k = tl.load(k_ptr + kv_off, mask=d_ok[None, :])
         if UPCAST:
             k = k.to(tl.float32)
-        if MASK:
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            visible = valid[None, :] & ((ppos + s)[None, :] <= q_pos[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A row that has seen nothing yet keeps m = -inf; shift it by 0 so exp2 gives 0s.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-        else:
-            # Every score is finite here: scale the row max, not each score (one FMA each).
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p, alpha, l_i, m_new = softmax_tile(qk, m_i, l_i, visible, qk_scale, MASK)
         if MASK:
             v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         elif BLOCK_D == HEAD_DIM:

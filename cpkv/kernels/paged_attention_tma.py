@@ -20,7 +20,7 @@ import torch
 from cpkv.kernels._common import HAS_TRITON, interpreter_enabled, next_power_of_2, tl, triton
 
 if HAS_TRITON:
-    from cpkv.kernels._attn_helpers import finish_softmax, key_range, query_block
+    from cpkv.kernels._attn_helpers import finish_softmax, key_range, query_block, softmax_tile
 
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -197,18 +197,9 @@ if HAS_TRITON:
             valid = s < tl.load(page_len_ptr + pidx)
             k_pos = tl.load(page_pos_ptr + pidx) + s
             visible = valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A row that has seen nothing yet keeps m = -inf; shift it by 0 so exp2 gives 0s.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
         else:
-            # Every score is finite here: scale the row max, not each score (one FMA each).
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+            visible = None
+        p, alpha, l_i, m_new = softmax_tile(qk, m_i, l_i, visible, qk_scale, MASK)
         v = v_desc.load([y, kv_col])
         if MASK:
             # NOTE: slots past a page's length may hold anything (NaN included), and 0 * NaN
