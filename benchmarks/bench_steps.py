@@ -6,7 +6,11 @@ and of a no-op call to the coordinator, all in this one run, on a model preset w
 weights. A prefill's fixed cost is its wall time less its slowest lane's step: the control
 path (client -> coordinator -> lanes -> client) with no lane computing.
 
-    python benchmarks/bench_steps.py [--cp 1,4] [--model tiny] [--tokens 16] [--iters 40]
+    python benchmarks/bench_steps.py [--cp 1,4] [--dispatch calls,compiled] [--model tiny]
+        [--tokens 16] [--iters 40]
+
+``--dispatch``: how steps reach the lanes, one row each, side by side: ``calls`` (an actor
+call per lane) or ``compiled`` (one Ray compiled graph, ``cpkv.connect(compiled_steps=True)``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def _median_ms(fn, iters: int) -> float:
     return statistics.median(out) * 1e3
 
 
-def _point(args, cp: int) -> dict:
+def _point(args, cp: int, dispatch: str) -> dict:
     import ray
 
     import cpkv
@@ -47,6 +51,7 @@ def _point(args, cp: int) -> dict:
         model_seed=0,
         dtype=config.dtype,
         name=f"bench-steps-{cp}-{time.time_ns()}",
+        compiled_steps=dispatch == "compiled",
     )
     try:
         rng = np.random.default_rng(0)
@@ -94,6 +99,7 @@ def _point(args, cp: int) -> dict:
     floor = coord_ms + lanes_ms
     return {
         "cp_size": cp,
+        "dispatch": dispatch,
         "tokens": args.tokens,
         "prefill_ms": prefill_ms,
         "prefill_lane_ms": lane_ms,
@@ -110,6 +116,7 @@ def _point(args, cp: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cp", default="1,4", help="comma-separated cp sizes")
+    parser.add_argument("--dispatch", default="calls,compiled", help="calls and/or compiled")
     parser.add_argument("--model", default="tiny", help="a preset of cpkv.models")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=64)
@@ -118,15 +125,19 @@ def main() -> None:
     parser.add_argument("--address", default=None)
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
-    rows = [_point(args, int(cp)) for cp in args.cp.split(",")]
+    dispatches = args.dispatch.split(",")
+    for d in dispatches:
+        if d not in ("calls", "compiled"):
+            parser.error(f"--dispatch {d!r}: expected calls or compiled")
+    rows = [_point(args, int(cp), d) for cp in args.cp.split(",") for d in dispatches]
     print(f"model {args.model}, prompt {args.tokens} tokens; medians of {args.iters} in this run")
     print(
-        "cp  prefill ms  its lanes' step ms  prefill fixed ms  decode ms  decode_greedy ms  "
+        "cp  dispatch  prefill ms  its lanes' step ms  prefill fixed ms  decode ms  decode_greedy ms  "
         "coordinator round ms  lane round ms"
     )
     for r in rows:
         print(
-            f"{r['cp_size']:>2}  {r['prefill_ms']:>10.2f}  {r['prefill_lane_ms']:>18.2f}  "
+            f"{r['cp_size']:>2}  {r['dispatch']:>8}  {r['prefill_ms']:>10.2f}  {r['prefill_lane_ms']:>18.2f}  "
             f"{r['prefill_fixed_ms']:>16.2f}  {r['decode_ms']:>9.2f}  "
             f"{r['decode_greedy_ms']:>16.2f}  {r['coordinator_round_ms']:>20.2f}  "
             f"{r['lane_round_ms']:>13.2f}"

@@ -27,11 +27,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from cpkv.actors.pool import LaneOptions, Pool
+from cpkv.coordinator.channel import LaneDeadError, StepAborted
 from cpkv.core.allocator import ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
 from cpkv.core.layout import PageLayout
 from cpkv.core.page_hash import PageHasher, TokenDigest
-from cpkv.core.steps import StepResult, check_mode
+from cpkv.core.steps import LaneReply, StepResult, check_mode
 from cpkv.core.validate import (
     as_token_array,
     check_float,
@@ -96,6 +97,7 @@ def connect(
     namespace: str | None = None,
     lane_hang_s: float | None = None,
     call_retries: int = 1,
+    compiled_steps: bool = False,
 ) -> CPKVClient:
     """Start or attach to Ray, get or create the named coordinator and its lanes.
 
@@ -145,6 +147,10 @@ def connect(
             step).
         call_retries: times a coordinator call that timed out is sent again with the same
             call id (it never takes effect twice).
+        compiled_steps: send prefill and decode steps to the lanes through one Ray Compiled
+            Graph instead of an actor call per lane: a step's fixed cost drops by Ray's
+            per-call scheduling (``benchmarks/bench_steps.py --dispatch``); the lanes'
+            answers then come back through the coordinator.
 
     Returns:
         A :class:`CPKVClient`.
@@ -174,6 +180,7 @@ def connect(
         heartbeat_s=heartbeat_s,
         timeout_s=timeout_s,
         lane_hang_s=check_float("lane_hang_s", lane_hang_s),
+        compiled_steps=bool(compiled_steps),
     )
     call_retries = check_int("call_retries", call_retries, minimum=0)
     spec = None
@@ -916,6 +923,8 @@ class CPKVClient:
             StepFailedError: the step failed on a lane (its requests are failed).
             RequestTimeoutError: lanes silent past ``timeout_s`` (``call_id`` waits again).
         """
+        if all(isinstance(h, LaneReply) for h in handles):  # compiled: answered already
+            return self._step_outcome(dict(enumerate(handles)), [], what, rids)
         ray = self._ray
         index = {ref: r for r, ref in enumerate(handles)}
         remaining, results, errors = list(handles), {}, []
@@ -939,11 +948,27 @@ class CPKVClient:
                     raise self._lane_lost(r, what, f"{what}: lane died") from None
                 except ray.exceptions.RayTaskError as e:
                     errors.append((r, e.as_instanceof_cause()))
+        return self._step_outcome(results, errors, what, rids)
+
+    def _step_outcome(
+        self, results: dict, errors: list[tuple[int, BaseException]], what: str, rids: list
+    ) -> list[StepResult]:
+        """The lanes' results in lane order, or the step's error (``results`` may hold
+        :class:`LaneReply` values: a compiled step's answers, errors included)."""
+        for r in sorted(results):
+            reply = results[r]
+            if not isinstance(reply, LaneReply):
+                continue
+            if isinstance(reply.error, LaneDeadError):
+                raise self._lane_lost(r, what, f"{what}: lane died ({reply.error})") from None
+            if reply.error is not None:
+                errors.append((r, reply.error))
+            results[r] = reply.value
         if errors:
-            lane, cause = errors[0]  # the first to fail; the others failed with it
+            lane, cause = min(errors, key=_aborted_last)  # the first to fail; the rest with it
             detail = f"lane {lane}: {type(cause).__name__}: {str(cause)[:300]}"
             raise StepFailedError(rids[0] if len(rids) == 1 else tuple(rids), detail) from cause
-        return [results[r] for r in range(len(handles))]
+        return [results[r] for r in range(len(results))]
 
     # ------------------------------------------------------------------- KV
     def store_kv(self, slots, k, v, layer: int = 0) -> None:
@@ -1060,6 +1085,11 @@ def _with_backoff(
             # Full jitter keeps many waiting callers from retrying in lockstep.
             time.sleep(min(left, backoff * (0.5 + rng.random())))
             backoff = min(max_backoff_s, backoff * 2)
+
+
+def _aborted_last(error: tuple[int, BaseException]) -> tuple[bool, int]:
+    """Sort key of a step's lane errors: a lane's own failure before the lanes it aborted."""
+    return isinstance(error[1], StepAborted), error[0]
 
 
 def _retryable(e: RequestTimeoutError, call_id: Hashable) -> RequestTimeoutError:

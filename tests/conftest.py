@@ -71,6 +71,10 @@ DEFAULTS = dict(
     # First calls on a GPU compile the Triton kernels (tens of seconds each).
     timeout_s=30.0 if not CUDA_DEVICES else 300.0,
 )
+# The whole Ray suite with steps through a compiled graph (tests/test_compiled_steps.py runs
+# its own pools so either way): CPKV_TEST_COMPILED_STEPS=1 pytest tests/...
+if os.environ.get("CPKV_TEST_COMPILED_STEPS") == "1":
+    DEFAULTS["compiled_steps"] = True
 
 
 # Pools kept alive at once: each lane is a process of a few hundred MB, and the session

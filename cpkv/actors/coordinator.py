@@ -14,7 +14,7 @@ import ray
 
 from cpkv.actors.liveness import ProcessLiveness
 from cpkv.actors.ray_env import NAMESPACE
-from cpkv.actors.transport import RayLaneTransport
+from cpkv.actors.transport import CompiledRayLaneTransport, RayLaneTransport
 from cpkv.coordinator.coordinator import Coordinator
 from cpkv.core.config import CPConfig, KVShape
 
@@ -72,6 +72,8 @@ class CoordinatorActor:
         lane_restart_timeout_s: how long to wait for a dead lane to come back.
         lane_hang_s: a lane silent this long is killed and reset (``None``: never).
         vocab_size: the model's vocabulary, checked in every step's token ids.
+        compiled_steps: send steps to the lanes through a Ray compiled graph (the lanes
+            must be ``CompiledLaneActor`` s).
     """
 
     def __init__(
@@ -83,21 +85,27 @@ class CoordinatorActor:
         lane_restart_timeout_s: float = 60.0,
         lane_hang_s: float | None = None,
         vocab_size: int | None = None,
+        compiled_steps: bool = False,
     ) -> None:
         assert len(lane_names) == config.cp_size, (len(lane_names), config.cp_size)
         self._lane_names = list(lane_names)
         self._lanes = [ray.get_actor(name, namespace=NAMESPACE) for name in lane_names]
         self._metrics = _Metrics()
+        transport_type = CompiledRayLaneTransport if compiled_steps else RayLaneTransport
+        transport = transport_type(self._lanes)
+        self._steps = getattr(transport, "steps", None)
         self._c = Coordinator(
             config,
             kv,
-            RayLaneTransport(self._lanes),
+            transport,
             heartbeat_s=heartbeat_s,
             lane_restart_timeout_s=lane_restart_timeout_s,
             lane_hang_s=lane_hang_s,
             vocab_size=vocab_size,
             liveness=ProcessLiveness(),
         )
+        if self._steps is not None:
+            self._steps.start(self._c.epoch)
 
     @ray.method(concurrency_group="lease")
     def hello(
@@ -151,6 +159,8 @@ class CoordinatorActor:
     @ray.method(concurrency_group="status")
     def stats(self) -> dict:
         out = self._c.stats()
+        if self._steps is not None:
+            out["compiled_graph_builds"] = self._steps.num_builds
         self._metrics.update(out)
         return out
 
@@ -175,3 +185,5 @@ class CoordinatorActor:
 
     def shutdown(self) -> None:
         self._c.shutdown()
+        if self._steps is not None:
+            self._steps.close()

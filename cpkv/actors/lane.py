@@ -11,7 +11,10 @@ only: the coordinator's process imports this package and must stay without torch
 
 from __future__ import annotations
 
+import copy
 import os
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,20 +22,31 @@ import ray
 
 from cpkv.core.config import KVShape
 from cpkv.core.moves import MovesNotApplied
-from cpkv.core.steps import StepRequest, StepResult
+from cpkv.core.steps import LaneReply, StepPacket, StepRequest, StepResult, group_superseded
 
 if TYPE_CHECKING:
     from cpkv.lanes.shard import LaneShard
 
-__all__ = ["LaneActor"]
+__all__ = ["CompiledLaneActor", "LaneActor"]
 
 # Memory kept free beside the KV pool for activations and the allocator's slack, when the
 # pool is sized from free memory (a 128k-token prefill step of a 1B model needs ~2 GiB).
 _ACTIVATION_RESERVE_BYTES = 4 << 30
 
+# How long a compiled step waits for the moves its fence names (sent as ordinary calls, they
+# may arrive after it); they take milliseconds, so this only bounds a lost move.
+_FENCE_WAIT_S = float(os.environ.get("CPKV_FENCE_WAIT_S", "20"))
 
-@ray.remote(max_restarts=-1, max_task_retries=0)
-class LaneActor:
+# The concurrency groups of a lane that serves compiled steps. Ray runs a compiled graph's
+# loop in the ``_ray_system`` group, one thread by default; the loop of a graph whose
+# coordinator died never ends, and would keep a restarted coordinator's graph from ever
+# starting (seen: its first run hung). Measured on the 2-core machine: with three threads, a
+# restarted coordinator's graph ran in 0.8 s, and 2000 calls of one caller of mixed sizes
+# still ran in order (the moves' sequence numbers depend on that).
+_COMPILED_CONCURRENCY_GROUPS = {"_ray_system": 3}
+
+
+class _Lane:
     """Delegates to a :class:`LaneShard` and a :class:`LaneWorker`.
 
     Args:
@@ -65,6 +79,11 @@ class LaneActor:
             # machine without CUDA leave torch on the CPU.
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self._lane, self._page_size, self._kv = lane, page_size, kv
+        # NOTE: a compiled step runs on Ray's graph thread, beside this actor's own: one
+        # lock orders them (the shard and the worker see one call at a time, as before), and
+        # its condition wakes a step waiting for its fence when a move is applied.
+        self._turn = threading.Condition()
+        self._graph_epoch: str | None = None
         self._device = torch.device(device)
         self._shard: LaneShard | None = None
         if num_pages:
@@ -82,10 +101,21 @@ class LaneActor:
         owner: int = 0,
         cached: np.ndarray | None = None,
     ) -> int:
-        return self._shard.apply(generation, seq, taken, released, owner, cached)
+        with self._turn:
+            try:
+                return self._shard.apply(generation, seq, taken, released, owner, cached)
+            finally:
+                self._turn.notify_all()
 
     def reset(self, generation: str, num_pages: int | None = None) -> str:
         """Empty the shard (allocating it at ``num_pages`` first if it has another size)."""
+        with self._turn:
+            try:
+                return self._reset(generation, num_pages)
+            finally:
+                self._turn.notify_all()
+
+    def _reset(self, generation: str, num_pages: int | None) -> str:
         if num_pages is not None and (self._shard is None or self._shard.num_pages != num_pages):
             self._worker.drop_decode_graphs()  # they hold the old shard's tensors
             self._shard = None  # free the old tensors before taking new ones
@@ -97,9 +127,14 @@ class LaneActor:
 
         return LaneShard(self._lane, num_pages, self._page_size, self._kv, self._device)
 
-    def heartbeat(self) -> tuple[str, int]:
-        """``(incarnation, pages held)``; ordered after every earlier coordinator call."""
-        return self._shard.incarnation, self._shard.num_held_pages
+    def heartbeat(self, fence: tuple[str, int] | None = None) -> tuple[str, int]:
+        """``(incarnation, pages held)``; ordered after every earlier coordinator call, and
+        answered once the moves through ``fence`` (``(generation, seq)``) are applied here or
+        a while has passed (moves riding in compiled steps come by another way)."""
+        with self._turn:
+            if fence is not None:
+                self._turn.wait_for(self._applied(fence), _FENCE_WAIT_S)
+            return self._shard.incarnation, self._shard.num_held_pages
 
     def kv_capacity(self, memory_utilization: float, share: float = 1.0) -> int:
         """Pages this lane can hold: its ``share`` of ``memory_utilization`` of its device's
@@ -119,17 +154,23 @@ class LaneActor:
 
     # ------------------------------------------------------------------ K/V
     def store_kv(self, local_slots, k, v, layer: int = 0, owner=None, fence=None):
-        return self._shard.store_kv(local_slots, k, v, layer, owner, fence)
+        with self._turn:
+            return self._shard.store_kv(local_slots, k, v, layer, owner, fence)
 
     def gather_kv(self, local_slots, layer: int = 0, owner=None, fence=None):
-        return self._shard.gather_kv(local_slots, layer, owner, fence)
+        with self._turn:
+            return self._shard.gather_kv(local_slots, layer, owner, fence)
 
     # ----------------------------------------------------------------- steps
     def rendezvous_address(self) -> tuple[str, int]:
         return self._worker.rendezvous_address()
 
     def init_group(self, group_id: str, host: str, port: int, backend: str, timeout_s: float):
-        return self._worker.init_group(group_id, host, port, backend, timeout_s)
+        with self._turn:
+            try:
+                return self._worker.init_group(group_id, host, port, backend, timeout_s)
+            finally:
+                self._turn.notify_all()
 
     @ray.method(num_returns=2)
     def step(self, step: StepRequest, moves: tuple | None = None) -> tuple[dict, StepResult]:
@@ -138,6 +179,59 @@ class LaneActor:
         the page move that rode with the step (``apply``'s arguments), applied first; one the
         shard refuses raises :class:`~cpkv.core.moves.MovesNotApplied` and the step does not
         run."""
+        with self._turn:
+            return self._step(step, moves)
+
+    def compiled_step(self, packet: StepPacket) -> LaneReply | None:
+        """:meth:`step` as a compiled graph runs it: the packet holds every lane's move and
+        fence; the answer is this lane's ``(status, result)`` or its error, as a value (an
+        exception would end the graph's run for every lane). It first waits until the moves
+        before its fence, sent as ordinary calls, are applied here."""
+        if packet.step is None:  # a warm-up: whose graph this lane serves
+            self._graph_epoch = packet.epoch
+            return None
+        # NOTE: its arrays may be views of the graph's shared buffer: nothing the lane keeps
+        # may pin it (the coordinator could not send an eleventh step), so copy them out.
+        packet = copy.deepcopy(packet)
+        try:
+            with self._turn:
+                self._wait_for_fence(packet.fences[self._lane], packet.step.group)
+                return LaneReply(self._step(packet.step, packet.moves[self._lane]))
+        except BaseException as e:
+            return LaneReply(error=e)
+
+    def _applied(self, fence: tuple[str, int]) -> Callable[[], bool]:
+        """Whether the shard has applied every move through ``fence``."""
+        generation, seq = fence
+
+        def applied() -> bool:
+            shard = self._shard
+            return shard is not None and shard.generation == generation and shard.last_seq >= seq
+
+        return applied
+
+    def _wait_for_fence(self, fence: tuple[str, int], group: str) -> None:
+        """Wait until the moves through ``fence`` are applied and the lane has joined
+        ``group`` (its ``init_group`` call, too, may come after the step), or it never will:
+        a later group replaced it (the step then fails as a stale one)."""
+        generation, seq = fence
+        applied = self._applied(fence)
+        worker = self._worker
+
+        def ready() -> bool:
+            joined = worker.group_id == group or group_superseded(group, worker.group_id)
+            return joined and applied()
+
+        if not self._turn.wait_for(ready, _FENCE_WAIT_S):
+            self._worker.leave_group()  # the step will not run: its peers must not wait
+            at = None if self._shard is None else (self._shard.generation, self._shard.last_seq)
+            raise MovesNotApplied(
+                f"lane {self._lane}: moves through {seq} of {generation!r} and group {group!r} "
+                f"not here after {_FENCE_WAIT_S}s (the shard is at {at}, the lane in group "
+                f"{worker.group_id!r})"
+            )
+
+    def _step(self, step: StepRequest, moves: tuple | None) -> tuple[dict, StepResult]:
         if moves is not None:
             try:
                 if self._shard is None:  # restarted without a size: never reset since
@@ -148,6 +242,8 @@ class LaneActor:
                 # nor pair this lane's next step with this one.
                 self._worker.leave_group()
                 raise
+            finally:
+                self._turn.notify_all()
         out = self._worker.step(self._shard, step)
         return {"step_id": step.step_id, "lane": self._lane}, out
 
@@ -167,6 +263,7 @@ class LaneActor:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
             "group": self._worker.group_id,
             "has_model": self._worker.model is not None,
+            "graph_epoch": self._graph_epoch,
         }
 
 
@@ -180,3 +277,10 @@ def _available_host_memory() -> int:
     except OSError:
         pass
     return 1 << 30
+
+
+LaneActor = ray.remote(max_restarts=-1, max_task_retries=0)(_Lane)
+#: The same lane for a pool whose steps come through a compiled graph.
+CompiledLaneActor = ray.remote(
+    max_restarts=-1, max_task_retries=0, concurrency_groups=_COMPILED_CONCURRENCY_GROUPS
+)(_Lane)

@@ -50,6 +50,8 @@ class LaneOptions:
         timeout_s: the clients' call timeout: attaching waits this long for the coordinator,
             which waits as long for a dead lane to come back.
         lane_hang_s: a lane silent this long is killed and brought back.
+        compiled_steps: steps reach the lanes through a Ray compiled graph, not one actor
+            call each (a step's fixed cost, issue 22).
     """
 
     num_gpus_per_lane: float | None = None
@@ -61,6 +63,7 @@ class LaneOptions:
     heartbeat_s: float = 1.0
     timeout_s: float = 60.0
     lane_hang_s: float | None = None
+    compiled_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -193,6 +196,7 @@ class Pool:
             options.timeout_s,
             options.lane_hang_s,
             vocab,
+            options.compiled_steps,
         )
         # The first answer comes once the coordinator has reset its lanes.
         pool = cls._of(name, coordinator, options.start_timeout_s, names.group)
@@ -266,7 +270,7 @@ def _place_lanes(
         TimeoutError: the cluster cannot fit the bundles, or the lanes did not start, in time.
         ray.exceptions.RayActorError: a lane failed to start (its constructor raised).
     """
-    from cpkv.actors.lane import LaneActor
+    from cpkv.actors.lane import CompiledLaneActor, LaneActor
 
     cpus, timeout_s = options.num_cpus_per_lane, options.start_timeout_s
     if num_gpus_per_lane < 0 or cpus < 0:
@@ -308,8 +312,9 @@ def _place_lanes(
         )
         if options.detached:
             opts["lifetime"] = "detached"
+        lane_type = CompiledLaneActor if options.compiled_steps else LaneActor
         lanes.append(
-            LaneActor.options(**opts).remote(
+            lane_type.options(**opts).remote(
                 r, config.cp_size, num_pages, config.page_size, kv, model
             )
         )

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 import ray
 
 from cpkv.coordinator.channel import LaneDeadError
+from cpkv.core.steps import StepPacket
 
-__all__ = ["RayLaneTransport"]
+__all__ = ["CompiledRayLaneTransport", "RayLaneTransport"]
 
 
 class RayLaneTransport:
@@ -48,3 +50,18 @@ class RayLaneTransport:
         ready, _ = ray.wait(handles, num_returns=len(handles), timeout=0)
         ready_set = set(ready)
         return [h in ready_set for h in handles]
+
+
+class CompiledRayLaneTransport(RayLaneTransport):
+    """:class:`RayLaneTransport` whose steps go to every lane through one compiled graph
+    (:class:`cpkv.actors.compiled_steps.CompiledSteps`); every other call stays an actor call.
+    """
+
+    def __init__(self, lanes: list) -> None:
+        from cpkv.actors.compiled_steps import CompiledSteps
+
+        super().__init__(lanes)
+        self.steps = CompiledSteps(self.lanes)
+
+    def execute_steps(self, packet: StepPacket) -> list[Future]:
+        return self.steps.execute(packet)

@@ -24,12 +24,17 @@ from typing import Any, Protocol
 import numpy as np
 
 from cpkv.core.moves import MovesNotApplied
+from cpkv.core.steps import LaneReply, StepPacket
 
-__all__ = ["LaneChannel", "LaneDeadError", "LaneTransport", "RidingMoves"]
+__all__ = ["LaneChannel", "LaneDeadError", "LaneTransport", "RidingMoves", "StepAborted"]
 
 
 class LaneDeadError(RuntimeError):
     """The lane's actor died or is restarting: its reply will never come."""
+
+
+class StepAborted(RuntimeError):
+    """A compiled step's run ended because another lane died: this lane's answer is lost."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,9 @@ class LaneTransport(Protocol):
 
     def done(self, handles: list[Any]) -> list[bool]:
         """Which of ``handles`` have a result now (never blocks)."""
+
+    # Optional: a transport that runs steps as one compiled graph has
+    # ``execute_steps(packet: StepPacket) -> list[Future[LaneReply]]`` (one per lane).
 
 
 _STOP = object()
@@ -94,6 +102,11 @@ class LaneChannel:
     @property
     def transport(self) -> LaneTransport:
         return self._transport
+
+    @property
+    def compiled(self) -> bool:
+        """Steps go to every lane at once through a compiled graph (:meth:`submit_steps`)."""
+        return hasattr(self._transport, "execute_steps")
 
     def reset_counters(self) -> None:
         """Zero the call counts (the pool was reset)."""
@@ -223,6 +236,30 @@ class LaneChannel:
         self._outbox.put((lane, "step", (step, moves.args), future, moves.future))
         return future
 
+    def submit_steps(self, step: Any, moves: list[RidingMoves | None]) -> list[Future]:
+        """Queue one step for every lane, each carrying its page move when it has one; per
+        lane a future of its ``(status, result)`` handles.
+
+        Through a compiled graph the step does not travel behind the lanes' queued calls:
+        each lane gets a fence (the last move queued for it before the step's own) and waits
+        until it has applied it. The handles are then :class:`LaneReply` values.
+        """
+        if not self.compiled:
+            return [self.submit_step(r, step, moves[r]) for r in range(self.cp_size)]
+        fences = tuple(
+            (self._generations[r], self._next_seq[r] - 1 if m is None else m.args[1] - 1)
+            for r, m in enumerate(moves)
+        )
+        args = tuple(None if m is None else m.args for m in moves)
+        replies = self._transport.execute_steps(StepPacket(step, args, fences, self._epoch))
+        self.num_calls += 1
+        out = []
+        for reply, m in zip(replies, moves, strict=True):
+            handles: Future = Future()
+            reply.add_done_callback(_split_reply(handles, None if m is None else m.future))
+            out.append(handles)
+        return out
+
     def call(self, lane: int, method: str, *args: Any, timeout: float) -> Any:
         """Queue a lane call and wait for its result (never call this holding a lock
         that the caller's other threads need)."""
@@ -232,6 +269,19 @@ class LaneChannel:
     def result(self, future: Future, timeout: float) -> Any:
         """The result of a call queued with :meth:`submit`."""
         return self._transport.result(future.result(timeout=timeout), timeout)
+
+    def outcome(self, handle: Any, timeout: float) -> Any:
+        """The result behind a call's handle (a transport handle or a :class:`LaneReply`).
+        Raises: the call's error, LaneDeadError, TimeoutError."""
+        if isinstance(handle, LaneReply):
+            return handle.unwrap()
+        return self._transport.result(handle, timeout)
+
+    def done(self, handles: list[Any]) -> list[bool]:
+        """Which of ``handles`` have their result now (never blocks)."""
+        pending = [h for h in handles if not isinstance(h, LaneReply)]
+        ready = iter(self._transport.done(pending) if pending else [])
+        return [True if isinstance(h, LaneReply) else next(ready) for h in handles]
 
     # ---------------------------------------------------------------- replies
     def poll(self) -> list[tuple[int, BaseException]]:
@@ -248,13 +298,13 @@ class LaneChannel:
             if p[3].exception() is not None:
                 finished.append(p)
                 errors.append((p, p[3].exception()))
-        done = self._transport.done([h for _, h in handles]) if handles else []
+        done = self.done([h for _, h in handles]) if handles else []
         for (p, handle), is_done in zip(handles, done, strict=True):
             if not is_done:
                 continue
             finished.append(p)
             try:
-                self._transport.result(handle, 0.0)
+                self.outcome(handle, 0.0)
             except (MovesNotApplied, LaneDeadError) as e:
                 errors.append((p, e))
             except Exception as e:  # any failure of a move call: the lane left the mirror
@@ -279,7 +329,7 @@ class LaneChannel:
                 return
             future = self._pending[0][3]
         with contextlib.suppress(Exception):  # poll() reports failures; here we only wait
-            self._transport.result(future.result(timeout=timeout), timeout)
+            self.outcome(future.result(timeout=timeout), timeout)
 
     def close(self) -> None:
         """Stop the sender thread (queued calls are still submitted first)."""
@@ -303,3 +353,22 @@ class LaneChannel:
             future.set_result(handle)
             for f in move:  # the move rode with a step: it is answered by the step's status
                 f.set_result(status)
+
+
+def _split_reply(handles: Future, move: Future | None):
+    """A callback that turns a lane's compiled :class:`LaneReply` of ``(status, result)``
+    into the ``(status, result)`` handles an ordinary step call gives, and answers the move
+    that rode with it by the status."""
+
+    def split(reply_future: Future) -> None:
+        reply: LaneReply = reply_future.result()
+        if reply.error is not None:
+            pair = (reply, reply)
+        else:
+            status, result = reply.value
+            pair = (LaneReply(status), LaneReply(result))
+        handles.set_result(pair)
+        if move is not None:
+            move.set_result(pair[0])
+
+    return split

@@ -27,6 +27,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ from cpkv.errors import (
     InvalidRequestError,
     LaneUnavailableError,
     LeaseExpiredError,
+    RequestTimeoutError,
     StepFailedError,
 )
 
@@ -399,13 +401,13 @@ class Coordinator:
                 seqs = self._extend_sequences(allocs, tokens)
             self._step_count += 1
             step = StepRequest(self._step_count, group, tuple(seqs), mode, probe, sample)
-            shared = self._share(step) if _worth_sharing(step, self.config.cp_size) else step
+            shared = step
+            if not self._channel.compiled and _worth_sharing(step, self.config.cp_size):
+                shared = self._share(step)
             # NOTE: each lane's page moves ride in its step call, applied before the step runs;
             # registered (numbered, fenced) only once nothing can fail before the calls queue.
             moves = self._dispatch_with_step(op, client_id)
-            handles = [
-                self._channel.submit_step(r, shared, moves[r]) for r in range(self.config.cp_size)
-            ]
+            handles = self._channel.submit_steps(shared, moves)
             self._track_step(step, handles)
             answer["lanes"] = handles
             return answer
@@ -414,12 +416,22 @@ class Coordinator:
             epoch, client_id, call_id, op, decide_and_submit, digest, self._step_reply_bytes
         )
         if isinstance(answer, dict):
-            # The sender submits the steps after the lock is released; the remembered answer
-            # (the same dict) then holds the result handles for a retried call too.
-            answer["lanes"] = [
-                _result_handle(f.result(timeout=self._timeout_s)) if isinstance(f, Future) else f
-                for f in answer["lanes"]
-            ]
+            # The sender submits the steps after the lock is released (a compiled graph
+            # answers them: the lanes' results come back here); the remembered answer (the
+            # same dict) then holds the result handles for a retried call too.
+            try:
+                answer["lanes"] = [
+                    _result_handle(f.result(timeout=self._timeout_s))
+                    if isinstance(f, Future)
+                    else f
+                    for f in answer["lanes"]
+                ]
+            except FutureTimeoutError:
+                return RequestTimeoutError(
+                    f"{op}: lanes silent for {self._timeout_s}s; call_id={call_id!r} (pass it "
+                    "as call_id= to wait for this step again)",
+                    call_id,
+                )
         return answer
 
     def _extend(
@@ -517,7 +529,7 @@ class Coordinator:
         the lane group stale (the lanes left it). Never blocks; lock held."""
         if not self._inflight:
             return
-        transport = self._channel.transport
+        channel = self._channel
         for sid in sorted(self._inflight):
             st = self._inflight[sid]
             if not all(f.done() for f in st.handles):
@@ -526,11 +538,11 @@ class Coordinator:
                 (f.exception() for f in st.handles if f.exception() is not None), None
             )
             statuses = [] if error is not None else [f.result()[0] for f in st.handles]
-            done = transport.done(statuses) if statuses else []
+            done = channel.done(statuses) if statuses else []
             for handle, is_done in zip(statuses, done, strict=True):
                 if is_done and error is None:
                     try:
-                        transport.result(handle, 0.0)
+                        channel.outcome(handle, 0.0)
                     except Exception as e:  # the lane's own error, or its death
                         error = e
             if error is None and not all(done):

@@ -25,6 +25,7 @@ from typing import Any
 from cpkv.coordinator.channel import LaneChannel, LaneDeadError
 from cpkv.core.availability import LaneAvailability
 from cpkv.core.backend import choose_backend, device_id
+from cpkv.core.steps import group_id
 from cpkv.errors import KVCapacityWaitError
 
 __all__ = ["DEAD", "RESTARTING", "UP", "LaneSupervisor"]
@@ -238,12 +239,15 @@ class LaneSupervisor:
             per lane ``(incarnation known, generation, future of the reply)``.
         """
         self._channel.flush_releases()
+        # A lane answers once it has applied every move queued so far: those that ride in
+        # compiled steps do not travel behind the heartbeat.
+        fence = self._channel.fence()
         with self._lock:
             return {
                 r: (
                     row.incarnation,
                     self._channel.generation(r),
-                    self._channel.submit(r, "heartbeat"),
+                    self._channel.submit(r, "heartbeat", fence[r]),
                 )
                 for r, row in enumerate(self._lanes)
                 if row.state == UP
@@ -363,7 +367,7 @@ class LaneSupervisor:
                 return self._unavailable(f"could not build the lane group ({type(e).__name__})")
             with self._lock:
                 self._group_count += 1
-                gid = f"{self._epoch[:8]}:g{self._group_count}"
+                gid = group_id(self._epoch, self._group_count)
                 for r in range(cp):
                     self._channel.submit(r, "init_group", gid, host, port, self._backend, timeout_s)
                 # NOTE: a group dropped while this one was built is stale already: its steps

@@ -17,10 +17,37 @@ import numpy as np
 from cpkv.core.validate import check_int
 from cpkv.errors import InvalidRequestError
 
-__all__ = ["MODES", "StepRequest", "StepResult", "StepSequence", "check_mode"]
+__all__ = [
+    "MODES",
+    "LaneReply",
+    "StepPacket",
+    "StepRequest",
+    "StepResult",
+    "StepSequence",
+    "check_mode",
+    "group_id",
+    "group_superseded",
+]
 
 #: Attention exchanges a step can use (``auto`` picks one per step).
 MODES = ("auto", "pass_q", "pass_kv")
+
+
+def group_id(epoch: str, number: int) -> str:
+    """The id of the coordinator's ``number``-th lane group (they are built one at a time)."""
+    return f"{epoch[:8]}:g{number}"
+
+
+def group_superseded(group: str, by: str | None) -> bool:
+    """Whether lane group ``group`` was replaced by ``by``: a later group of the same
+    coordinator (``False`` when they cannot be ordered)."""
+    if by is None:
+        return False
+    epoch, _, number = group.rpartition(":g")
+    by_epoch, _, by_number = by.rpartition(":g")
+    if epoch != by_epoch or not (number.isdigit() and by_number.isdigit()):
+        return False
+    return int(by_number) > int(number)
 
 
 def check_mode(mode: object, name: str = "mode") -> str:
@@ -178,3 +205,43 @@ class StepResult:
     tokens: np.ndarray | None = None
     next_tokens: dict[int, int] = field(default_factory=dict)
     graph: bool = False
+
+
+@dataclass(slots=True, frozen=True, eq=False)
+class StepPacket:
+    """One step as a compiled dispatch sends it: the same object reaches every lane.
+
+    Attributes:
+        step: the step (``None``: a warm-up that only says whose graph the lane serves).
+        moves: per lane, the page move riding in the step (``LaneShard.apply``'s arguments)
+            or ``None``.
+        fences: per lane ``(generation, seq)``: the moves the lane must have applied, through
+            its ordinary calls, before this step's own (which it waits for: the step does not
+            travel behind them).
+        epoch: the coordinator that sent it.
+    """
+
+    step: StepRequest | None
+    moves: tuple = ()
+    fences: tuple = ()
+    epoch: str = ""
+
+
+@dataclass(slots=True, frozen=True, eq=False)
+class LaneReply:
+    """A lane's answer that came back as a value (through the coordinator) instead of a Ray
+    handle: what the call returned, or the error it raised.
+
+    Attributes:
+        value: the result (when ``error`` is ``None``).
+        error: the exception the call raised.
+    """
+
+    value: Any = None
+    error: BaseException | None = None
+
+    def unwrap(self) -> Any:
+        """The value. Raises: the call's error."""
+        if self.error is not None:
+            raise self.error
+        return self.value

@@ -1,0 +1,251 @@
+"""Steps through one Ray compiled graph (``connect(compiled_steps=True)``).
+
+Without Ray: the channel's packet (each lane's riding move and fence), the lanes' answers as
+values, and a lane that waits for the moves its fence names. Through Ray: a compiled pool
+answers as an ordinary one, its graph is rebuilt after a lane dies, and a restarted
+coordinator's graph starts on the lanes the old one left.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cpkv.coordinator.channel import LaneChannel, StepAborted
+from cpkv.core.config import KVShape
+from cpkv.core.moves import MovesNotApplied
+from cpkv.core.steps import LaneReply, StepPacket
+
+I32 = np.int32
+
+
+class CompiledTransport:
+    """Ordinary calls settle at once; steps are packets the test answers per lane."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str, tuple]] = []
+        self.packets: list[tuple[StepPacket, list[Future]]] = []
+
+    def submit(self, lane: int, method: str, *args: Any) -> Future:
+        self.calls.append((lane, method, args))
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def result(self, handle: Future, timeout: float) -> Any:
+        return handle.result(timeout=timeout)
+
+    def done(self, handles: list[Future]) -> list[bool]:
+        return [h.done() for h in handles]
+
+    def execute_steps(self, packet: StepPacket) -> list[Future]:
+        futures = [Future() for _ in packet.fences]
+        self.packets.append((packet, futures))
+        return futures
+
+
+@pytest.fixture
+def compiled():
+    transport = CompiledTransport()
+    ch = LaneChannel(transport, cp_size=2, epoch="e")
+    for lane in range(2):
+        ch.new_generation(lane)
+    yield ch, transport
+    ch.close()
+
+
+def test_a_compiled_step_carries_each_lanes_move_and_fence(compiled):
+    ch, transport = compiled
+    assert ch.compiled
+    ch.send_moves(0, np.array([1, 2], I32), np.empty(0, I32), "alloc")  # seq 1, an apply call
+    ch.send_moves(1, np.array([3], I32), np.empty(0, I32), "alloc")
+    ch.send_moves(1, np.array([4], I32), np.empty(0, I32), "alloc")  # lane 1 at seq 2
+    riding = ch.moves_for_step(0, np.array([5], I32), np.empty(0, I32), "prefill")  # seq 2
+    futures = ch.submit_steps("step", [riding, None])
+    ((packet, replies),) = transport.packets
+    gen0, gen1 = ch.generation(0), ch.generation(1)
+    # Lane 0 waits for its apply (seq 1) and applies the riding move itself; lane 1 waits for
+    # both of its applies.
+    assert packet.fences == ((gen0, 1), (gen1, 2))
+    assert packet.moves[0][:2] == (gen0, 2) and packet.moves[1] is None
+    assert packet.step == "step" and packet.epoch == "e"
+    replies[0].set_result(LaneReply(({"lane": 0}, "result 0")))
+    replies[1].set_result(LaneReply(({"lane": 1}, "result 1")))
+    status, result = futures[0].result(timeout=5)
+    assert ch.outcome(status, 0) == {"lane": 0} and ch.outcome(result, 0) == "result 0"
+    assert ch.done([status, result]) == [True, True]
+    deadline = time.monotonic() + 5
+    while len(transport.calls) < 3:  # the sender submits the three apply calls
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert transport.calls[0][1] == "apply" and len(transport.calls) == 3
+    while ch.num_pending:  # every move answered, the riding one by its step's status
+        assert ch.poll() == [] and time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_a_riding_move_the_lane_refused_is_reported_through_its_reply(compiled):
+    ch, transport = compiled
+    riding = ch.moves_for_step(1, np.array([5], I32), np.empty(0, I32), "prefill")
+    futures = ch.submit_steps("step", [None, riding])
+    ((_, replies),) = transport.packets
+    refused = MovesNotApplied("lane 1: move 1 arrived, expected 3")
+    replies[0].set_result(LaneReply(error=StepAborted("lane 1 left")))
+    replies[1].set_result(LaneReply(error=refused))
+    _status, result = futures[1].result(timeout=5)
+    with pytest.raises(MovesNotApplied):
+        ch.outcome(result, 0)
+    assert ch.poll() == [(1, refused)]
+
+
+def test_a_step_error_on_a_lane_is_not_a_move_failure(compiled):
+    ch, transport = compiled
+    riding = ch.moves_for_step(0, np.array([5], I32), np.empty(0, I32), "prefill")
+    ch.submit_steps("step", [riding, None])
+    ((_, replies),) = transport.packets
+    for reply in replies:
+        reply.set_result(LaneReply(error=RuntimeError("the model failed")))
+    assert ch.poll() == []  # the step's own failure fails the step, resets no lane
+    assert ch.num_pending == 0
+
+
+# ----------------------------------------------------------- the lane, without Ray
+@pytest.fixture
+def lane(monkeypatch):
+    import cpkv.actors.lane as lane_module
+
+    monkeypatch.setattr(lane_module, "_FENCE_WAIT_S", 0.5)
+    lane = lane_module._Lane(0, 1, 8, 4, KVShape(1, 2, 8, "float32"), device="cpu")
+    lane.reset("g")
+    return lane
+
+
+def test_a_heartbeat_answers_once_the_moves_of_its_fence_are_applied(lane):
+    answers = []
+    waiter = threading.Thread(target=lambda: answers.append(lane.heartbeat(("g", 1))))
+    waiter.start()
+    time.sleep(0.1)
+    assert not answers  # the move it waits for has not come
+    lane.apply("g", 1, np.array([1, 2], I32), np.empty(0, I32))
+    waiter.join(timeout=5)
+    assert answers and answers[0][1] == 2  # it counts the pages of that move
+
+
+def test_a_compiled_step_whose_fence_never_comes_is_refused(lane):
+    from cpkv.core.steps import StepRequest, StepSequence
+
+    step = StepRequest(1, "group", (StepSequence(0, 4, np.array([1]), None, "r"),))
+    t0 = time.monotonic()
+    reply = lane.compiled_step(StepPacket(step, (None,), (("g", 1),), "e"))
+    assert time.monotonic() - t0 >= 0.5
+    assert isinstance(reply.error, MovesNotApplied) and "through 1 of 'g'" in str(reply.error)
+    # The warm-up packet says whose graph the lane serves.
+    assert lane.compiled_step(StepPacket(None, epoch="e")) is None
+    assert lane.info()["graph_epoch"] == "e"
+
+
+def test_a_compiled_step_waits_for_its_moves_and_its_group(lane):
+    from cpkv.core.steps import StepRequest, StepSequence
+
+    step = StepRequest(1, "e:g2", (StepSequence(0, 4, np.array([1]), None, "r"),))
+    applier = threading.Timer(0.1, lane.apply, ("g", 1, np.array([1], I32), np.empty(0, I32)))
+    applier.start()
+    reply = lane.compiled_step(StepPacket(step, (None,), (("g", 1),), "e"))
+    applier.join()
+    # The move came; the group the step was made for never did (its init_group call).
+    assert isinstance(reply.error, MovesNotApplied) and "'e:g2'" in str(reply.error)
+    assert lane.heartbeat(("g", 1))[1] == 1
+    # A step of a group the lane has left for a later one fails at once, as a stale step.
+    lane._worker.group_id = "e:g3"
+    t0 = time.monotonic()
+    reply = lane.compiled_step(StepPacket(step, (None,), (("g", 1),), "e"))
+    assert time.monotonic() - t0 < 0.5
+    assert type(reply.error).__name__ == "LaneGroupError", reply.error
+
+
+def test_group_ids_order_within_one_coordinator():
+    from cpkv.core.steps import group_id, group_superseded
+
+    g1, g2, g10 = (group_id("0123456789", n) for n in (1, 2, 10))
+    assert group_superseded(g1, g2) and group_superseded(g2, g10)
+    assert not group_superseded(g2, g1) and not group_superseded(g2, g2)
+    assert not group_superseded(g2, None)
+    assert not group_superseded(g1, group_id("another", 5))  # another coordinator's
+
+
+# ------------------------------------------------------------------ through Ray
+@pytest.mark.ray
+def test_a_compiled_pool_answers_as_an_ordinary_one(make_client):
+    torch = pytest.importorskip("torch")
+    from tests.test_lane_attention import close, qkv, reference
+
+    c = make_client(cp_size=2, num_pages_per_lane=48, compiled_steps=True)
+    prompt = np.arange(37) % 200
+    res = c.prefill("a", prompt, probe=qkv(prompt))
+    close(res.attention, reference(prompt, 0))
+    more = np.array([7, 9])
+    seq = np.concatenate([prompt, more])
+    for i, tok in enumerate(more):
+        out = c.decode(["a"], [int(tok)], probe=qkv(more[i : i + 1], len(prompt) + i))
+        close(out.attention, reference(seq[: len(prompt) + i + 1], len(prompt) + i))
+    stats = c.stats()
+    assert stats["compiled_graph_builds"] == 1
+    assert stats["moves_in_step_calls"] >= 2
+    assert c.check()["ok"], c.check()
+    del torch
+
+
+def wait_for(pred, timeout: float = 60.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            value = pred()
+        except Exception:  # e.g. the coordinator is still restarting
+            value = None
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.ray
+def test_a_compiled_graph_is_rebuilt_after_a_lane_dies(make_client):
+    import ray
+
+    from cpkv.errors import LaneUnavailableError, StepFailedError
+    from tests.test_lane_attention import close, qkv, reference
+
+    c = make_client(fresh=True, cp_size=2, num_pages_per_lane=48, compiled_steps=True)
+    prompt = np.arange(21) % 200
+    c.prefill("a", prompt, probe=qkv(prompt))
+    ray.kill(c.lanes[1], no_restart=False)
+    with pytest.raises((LaneUnavailableError, StepFailedError)):
+        c.decode(["a"], [3], probe=qkv(np.array([3]), len(prompt)))
+    wait_for(lambda: c.stats()["lane_states"] == ["up"] * 2)
+    res = c.prefill("b", prompt, probe=qkv(prompt))
+    close(res.attention, reference(prompt, 0))
+    assert c.stats()["compiled_graph_builds"] == 2
+    assert c.check()["ok"]
+
+
+@pytest.mark.ray
+def test_a_restarted_coordinator_builds_its_graph_on_the_same_lanes(make_client):
+    import ray
+
+    from tests.test_lane_attention import close, qkv, reference
+
+    c = make_client(fresh=True, cp_size=2, num_pages_per_lane=48, compiled_steps=True)
+    prompt = np.arange(21) % 200
+    c.prefill("a", prompt, probe=qkv(prompt))
+    epoch = c.stats()["epoch"]
+    ray.kill(c._coord, no_restart=False)
+    # The old graph's loop still holds a thread on each lane; the new graph runs beside it.
+    res = wait_for(lambda: c.prefill("b", prompt, probe=qkv(prompt)))
+    assert c.stats()["epoch"] != epoch
+    close(res.attention, reference(prompt, 0))
+    assert {info["graph_epoch"] for info in c.lane_info()} == {c.stats()["epoch"]}
