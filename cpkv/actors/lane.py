@@ -127,14 +127,13 @@ class _Lane:
 
         return LaneShard(self._lane, num_pages, self._page_size, self._kv, self._device)
 
-    def heartbeat(self, fence: tuple[str, int] | None = None) -> tuple[str, int]:
-        """``(incarnation, pages held)``; ordered after every earlier coordinator call, and
-        answered once the moves through ``fence`` (``(generation, seq)``) are applied here or
-        a while has passed (moves riding in compiled steps come by another way)."""
+    def heartbeat(self, fence: tuple[str, int] | None = None) -> tuple[str, int | None]:
+        """``(incarnation, pages held)``; ordered after every earlier coordinator call. The
+        count is ``None`` while a move through ``fence`` (``(generation, seq)``) is still to
+        come (one riding in a compiled step, which does not travel behind this call)."""
         with self._turn:
-            if fence is not None:
-                self._turn.wait_for(self._applied(fence), _FENCE_WAIT_S)
-            return self._shard.incarnation, self._shard.num_held_pages
+            behind = fence is not None and not self._applied(fence)()
+            return self._shard.incarnation, None if behind else self._shard.num_held_pages
 
     def kv_capacity(self, memory_utilization: float, share: float = 1.0) -> int:
         """Pages this lane can hold: its ``share`` of ``memory_utilization`` of its device's

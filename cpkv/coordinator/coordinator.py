@@ -73,6 +73,8 @@ _MAX_PENDING_MOVES = 2048
 # The allocation path looks for failed page moves at most this often: each look asks Ray
 # about every move in flight (bench_actors, 128k tokens at cp 4: 7.6 -> see docs).
 _MOVE_POLL_S = 0.05
+# check(): how long to wait before asking a lane again that is behind its moves.
+_CHECK_RETRY_S = 0.02
 # Steps at least this large go to the lanes as one object-store copy (see _worth_sharing).
 _SHARE_MIN_BYTES = 64 << 10
 # Namespace id of requests made without a client id (tests, tools); clients get 2, 3, ...
@@ -760,27 +762,37 @@ class Coordinator:
 
         Waits for the serving lanes only (a lane that is restarting is reported as such).
         """
-        with self._lock:
-            self._settle_lanes()
-            problems = []
-            try:
-                self._core.check_invariants()
-            except AssertionError as e:
-                problems.append(f"core: {e}")
-            expected = self._held_per_lane()
-            for lane, state in enumerate(self._supervisor.states()):
-                if state != UP:
-                    problems.append(f"lane {lane}: {state}")
-            sent = self._supervisor.send_heartbeats()
-        for r, known, _gen, reply in self._supervisor.replies(sent, self._timeout_s):
-            if isinstance(reply, BaseException):  # a dead lane is a finding here, not a crash
-                problems.append(f"lane {r}: {type(reply).__name__}")
-                continue
-            incarnation, held = reply
-            if incarnation != known:
-                problems.append(f"lane {r}: restarted and not yet recovered")
-            elif held != expected[r]:
-                problems.append(f"lane {r}: holds {held} pages, mirror says {expected[r]}")
+        end = time.monotonic() + self._timeout_s
+        while True:
+            with self._lock:
+                self._settle_lanes()
+                problems = []
+                try:
+                    self._core.check_invariants()
+                except AssertionError as e:
+                    problems.append(f"core: {e}")
+                expected = self._held_per_lane()
+                for lane, state in enumerate(self._supervisor.states()):
+                    if state != UP:
+                        problems.append(f"lane {lane}: {state}")
+                sent = self._supervisor.send_heartbeats()
+            behind = False
+            for r, known, _gen, reply in self._supervisor.replies(sent, self._timeout_s):
+                if isinstance(reply, BaseException):  # a dead lane is a finding, not a crash
+                    problems.append(f"lane {r}: {type(reply).__name__}")
+                    continue
+                incarnation, held = reply
+                if incarnation != known:
+                    problems.append(f"lane {r}: restarted and not yet recovered")
+                elif held is None:  # a move riding in a compiled step still to come
+                    behind = True
+                elif held != expected[r]:
+                    problems.append(f"lane {r}: holds {held} pages, mirror says {expected[r]}")
+            if not behind or time.monotonic() > end:
+                break
+            time.sleep(_CHECK_RETRY_S)
+        if behind:
+            problems.append("lanes still behind their moves")
         with self._lock:  # the moves answered before those heartbeats: any refused?
             self._settle_lanes()
         return {"ok": not problems, "problems": problems, "held": expected}

@@ -239,8 +239,8 @@ class LaneSupervisor:
             per lane ``(incarnation known, generation, future of the reply)``.
         """
         self._channel.flush_releases()
-        # A lane answers once it has applied every move queued so far: those that ride in
-        # compiled steps do not travel behind the heartbeat.
+        # A lane counts its pages only once it has applied every move queued so far (those
+        # riding in compiled steps do not travel behind the heartbeat).
         fence = self._channel.fence()
         with self._lock:
             return {
@@ -291,7 +291,7 @@ class LaneSupervisor:
                 incarnation, held = reply
             if incarnation != known:
                 self._report_lost(r, gen, "heartbeat: lane restarted or died")
-            elif held != expected_held[r]:
+            elif held is not None and held != expected_held[r]:  # None: a move still to come
                 self.num_mismatches += 1
                 logger.error(
                     "lane %d holds %d pages but the mirror says %d", r, held, expected_held[r]
