@@ -132,13 +132,14 @@ def main() -> None:
     rows = [_point(args, int(cp), d) for cp in args.cp.split(",") for d in dispatches]
     print(f"model {args.model}, prompt {args.tokens} tokens; medians of {args.iters} in this run")
     print(
-        "cp  dispatch  prefill ms  its lanes' step ms  prefill fixed ms  decode ms  decode_greedy ms  "
-        "coordinator round ms  lane round ms"
+        "cp  dispatch  prefill ms  its lanes' step ms  prefill fixed ms  decode ms  "
+        "decode_greedy ms  coordinator round ms  lane round ms"
     )
     for r in rows:
         print(
-            f"{r['cp_size']:>2}  {r['dispatch']:>8}  {r['prefill_ms']:>10.2f}  {r['prefill_lane_ms']:>18.2f}  "
-            f"{r['prefill_fixed_ms']:>16.2f}  {r['decode_ms']:>9.2f}  "
+            f"{r['cp_size']:>2}  {r['dispatch']:>8}  {r['prefill_ms']:>10.2f}  "
+            f"{r['prefill_lane_ms']:>18.2f}  {r['prefill_fixed_ms']:>16.2f}  "
+            f"{r['decode_ms']:>9.2f}  "
             f"{r['decode_greedy_ms']:>16.2f}  {r['coordinator_round_ms']:>20.2f}  "
             f"{r['lane_round_ms']:>13.2f}"
         )
