@@ -164,14 +164,27 @@ def test_a_compiled_step_waits_for_its_moves_and_its_group(lane):
     assert type(reply.error).__name__ == "LaneGroupError", reply.error
 
 
-def test_group_ids_order_within_one_coordinator():
-    from cpkv.core.steps import group_id, group_superseded
+def test_generations_and_group_ids_order_within_one_coordinator():
+    from cpkv.core.steps import group_id, superseded
 
     g1, g2, g10 = (group_id("0123456789", n) for n in (1, 2, 10))
-    assert group_superseded(g1, g2) and group_superseded(g2, g10)
-    assert not group_superseded(g2, g1) and not group_superseded(g2, g2)
-    assert not group_superseded(g2, None)
-    assert not group_superseded(g1, group_id("another", 5))  # another coordinator's
+    assert superseded(g1, g2) and superseded(g2, g10)
+    assert not superseded(g2, g1) and not superseded(g2, g2)
+    assert not superseded(g2, None)
+    assert not superseded(g1, group_id("another", 5))  # another coordinator's
+    assert superseded("epoch:3", "epoch:12") and not superseded("epoch:3", "other:4")
+
+
+def test_a_compiled_step_for_another_coordinators_generation_is_refused_at_once(lane):
+    from cpkv.core.steps import StepRequest, StepSequence
+
+    step = StepRequest(1, "e:g1", (StepSequence(0, 4, np.array([1]), None, "r"),))
+    lane.reset("not-the-coordinators:1")  # behind the coordinator's back
+    t0 = time.monotonic()
+    reply = lane.compiled_step(StepPacket(step, (None,), (("g", 1),), "e"))
+    assert time.monotonic() - t0 < 0.4
+    assert isinstance(reply.error, MovesNotApplied)
+    assert lane.heartbeat(("g", 1))[1] == 0  # counted: nothing is on its way
 
 
 # ------------------------------------------------------------------ through Ray

@@ -22,7 +22,7 @@ import ray
 
 from cpkv.core.config import KVShape
 from cpkv.core.moves import MovesNotApplied
-from cpkv.core.steps import LaneReply, StepPacket, StepRequest, StepResult, group_superseded
+from cpkv.core.steps import LaneReply, StepPacket, StepRequest, StepResult, superseded
 
 if TYPE_CHECKING:
     from cpkv.lanes.shard import LaneShard
@@ -132,7 +132,9 @@ class _Lane:
         count is ``None`` while a move through ``fence`` (``(generation, seq)``) is still to
         come (one riding in a compiled step, which does not travel behind this call)."""
         with self._turn:
-            behind = fence is not None and not self._applied(fence)()
+            behind = (
+                fence is not None and not self._applied(fence)() and not self._never_applied(fence)
+            )
             return self._shard.incarnation, None if behind else self._shard.num_held_pages
 
     def kv_capacity(self, memory_utilization: float, share: float = 1.0) -> int:
@@ -209,25 +211,36 @@ class _Lane:
 
         return applied
 
+    def _never_applied(self, fence: tuple[str, int]) -> bool:
+        """Whether the moves of ``fence`` can no longer come: the shard is in a generation
+        that is neither the fence's nor an earlier one of its coordinator (whose reset to the
+        fence's may still be on its way)."""
+        shard = self._shard
+        at = None if shard is None else shard.generation
+        return at is not None and at != fence[0] and not superseded(at, fence[0])
+
     def _wait_for_fence(self, fence: tuple[str, int], group: str) -> None:
         """Wait until the moves through ``fence`` are applied and the lane has joined
-        ``group`` (its ``init_group`` call, too, may come after the step), or it never will:
-        a later group replaced it (the step then fails as a stale one)."""
+        ``group`` (its ``init_group`` call, too, may come after the step), or neither can
+        happen: the shard is in another coordinator's generation, or a later group replaced
+        the step's (it then fails as a stale step)."""
         generation, seq = fence
         applied = self._applied(fence)
         worker = self._worker
 
         def ready() -> bool:
-            joined = worker.group_id == group or group_superseded(group, worker.group_id)
+            if self._never_applied(fence):
+                return True
+            joined = worker.group_id == group or superseded(group, worker.group_id)
             return joined and applied()
 
-        if not self._turn.wait_for(ready, _FENCE_WAIT_S):
+        if not self._turn.wait_for(ready, _FENCE_WAIT_S) or not applied():
             self._worker.leave_group()  # the step will not run: its peers must not wait
             at = None if self._shard is None else (self._shard.generation, self._shard.last_seq)
             raise MovesNotApplied(
                 f"lane {self._lane}: moves through {seq} of {generation!r} and group {group!r} "
-                f"not here after {_FENCE_WAIT_S}s (the shard is at {at}, the lane in group "
-                f"{worker.group_id!r})"
+                f"not here (waited up to {_FENCE_WAIT_S}s; the shard is at {at}, the lane in "
+                f"group {worker.group_id!r})"
             )
 
     def _step(self, step: StepRequest, moves: tuple | None) -> tuple[dict, StepResult]:

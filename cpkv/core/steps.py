@@ -26,7 +26,7 @@ __all__ = [
     "StepSequence",
     "check_mode",
     "group_id",
-    "group_superseded",
+    "superseded",
 ]
 
 #: Attention exchanges a step can use (``auto`` picks one per step).
@@ -38,16 +38,20 @@ def group_id(epoch: str, number: int) -> str:
     return f"{epoch[:8]}:g{number}"
 
 
-def group_superseded(group: str, by: str | None) -> bool:
-    """Whether lane group ``group`` was replaced by ``by``: a later group of the same
-    coordinator (``False`` when they cannot be ordered)."""
+def superseded(ident: str, by: str | None) -> bool:
+    """Whether ``ident`` was replaced by ``by``, a later one of the same coordinator: for lane
+    generations (``"{epoch}:{n}"``) and lane groups (:func:`group_id`). ``False`` when they
+    cannot be ordered (another coordinator's, or ``None``)."""
     if by is None:
         return False
-    epoch, _, number = group.rpartition(":g")
-    by_epoch, _, by_number = by.rpartition(":g")
-    if epoch != by_epoch or not (number.isdigit() and by_number.isdigit()):
-        return False
-    return int(by_number) > int(number)
+    (owner, n), (by_owner, by_n) = _numbered(ident), _numbered(by)
+    return owner == by_owner and n is not None and by_n is not None and by_n > n
+
+
+def _numbered(ident: str) -> tuple[str, int | None]:
+    owner, _, tail = ident.rpartition(":")
+    digits = tail.lstrip("g")
+    return owner, int(digits) if digits.isdigit() else None
 
 
 def check_mode(mode: object, name: str = "mode") -> str:
