@@ -147,6 +147,7 @@ def test_repeated_call_id_allocates_nothing_twice(make_client):
     assert again.new_pages.tolist() == first.new_pages.tolist()
     assert c.stats()["extend_allocations"] == 1
     # A lane move repeated with the same (generation, seq) changes nothing either.
+    assert c.check()["ok"]  # its heartbeats come behind the moves: the lanes have them now
     lane = c.lanes[0]
     info = ray.get(lane.info.remote())
     gen, seq, held = info["generation"], info["last_seq"], info["held"]
