@@ -2,7 +2,8 @@
 
 ``store_kv`` / ``gather_kv`` split global slots by lane and call each lane that holds
 some, as the client's namespace, after the page moves of the client's last allocation
-(the fence): a lane that has not applied them yet answers ``NOT_YET`` and is asked again.
+(the fence): a lane that has not applied them yet answers ``NOT_YET``; the client then has
+the coordinator send the moves still waiting for a step, and asks again.
 What it needs of the client (its fence, the coordinator's answers, what to do when a
 lane died) comes in as callbacks; the client handles a lane's death, this only reports it.
 """
@@ -148,7 +149,8 @@ class LaneIO:
     def _lane_io(self, calls: dict, what: str) -> dict:
         """Run a K/V read or write on each lane, as the client's namespace, after the page
         moves of its last allocation (a lane that has not applied them yet answers
-        ``NOT_YET``: asked again shortly, within ``timeout_s``)."""
+        ``NOT_YET``: the coordinator is asked to send the moves still waiting, then the lane
+        asked again, shortly, within ``timeout_s``)."""
         from cpkv.lanes.shard import NOT_YET
 
         out: dict = {}
@@ -174,6 +176,11 @@ class LaneIO:
                 if not (isinstance(res, str) and res == NOT_YET):
                     out[r] = res
                     del calls[r]
+            if calls and not refreshed:
+                # The moves behind the fence wait for a step to carry them: have them sent now.
+                self._refresh_fence()
+                refreshed = True
+                continue
             if calls:
                 if time.monotonic() > end:
                     raise RequestTimeoutError(

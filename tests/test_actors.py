@@ -154,12 +154,13 @@ def test_repeated_call_id_allocates_nothing_twice(make_client):
     assert seq >= 1
     page = np.array([30], dtype=np.int32)
     empty = np.empty(0, np.int32)
-    assert ray.get(lane.apply.remote(gen, seq, page, empty)) == held  # remembered answer
+    move = lambda gen, seq: ((gen, seq, page, empty),)  # a batch of one move
+    assert ray.get(lane.apply_moves.remote(move(gen, seq))) == held  # remembered answer
     assert ray.get(lane.heartbeat.remote())[1] == held
     with pytest.raises(Exception, match="expected"):  # a gap is refused, not applied
-        ray.get(lane.apply.remote(gen, seq + 2, page, empty))
+        ray.get(lane.apply_moves.remote(move(gen, seq + 2)))
     with pytest.raises(Exception, match="generation"):
-        ray.get(lane.apply.remote("stale:1", seq + 1, page, empty))
+        ray.get(lane.apply_moves.remote(move("stale:1", seq + 1)))
     assert ray.get(lane.heartbeat.remote())[1] == held
     assert c.check()["ok"]
 

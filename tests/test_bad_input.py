@@ -35,8 +35,9 @@ class CallRecorder:
 
 
 K = torch.zeros(3, 2, 8)
-# Figures that move without any decision (moves in flight, slow heartbeats).
-VOLATILE = ("pending_lane_calls", "slow_heartbeats")
+# Figures that move without any decision (moves in flight or sent by the channel's timer,
+# slow heartbeats).
+VOLATILE = ("pending_lane_calls", "lane_calls", "slow_heartbeats")
 
 
 def state(stats: dict) -> dict:

@@ -1,6 +1,6 @@
 """Steps through one Ray compiled graph (``connect(compiled_steps=True)``).
 
-Without Ray: the channel's packet (each lane's riding move and fence), the lanes' answers as
+Without Ray: the channel's packet (each lane's riding moves and fence), the lanes' answers as
 values, and a lane that waits for the moves its fence names. Through Ray: a compiled pool
 answers as an ordinary one, its graph is rebuilt after a lane dies, and a restarted
 coordinator's graph starts on the lanes the old one left.
@@ -59,20 +59,21 @@ def compiled():
     ch.close()
 
 
-def test_a_compiled_step_carries_each_lanes_move_and_fence(compiled):
+def test_a_compiled_step_carries_each_lanes_moves_and_fence(compiled):
     ch, transport = compiled
     assert ch.compiled
-    ch.send_moves(0, np.array([1, 2], I32), np.empty(0, I32), "alloc")  # seq 1, an apply call
+    ch.send_moves(0, np.array([1, 2], I32), np.empty(0, I32), "alloc")  # seq 1
     ch.send_moves(1, np.array([3], I32), np.empty(0, I32), "alloc")
     ch.send_moves(1, np.array([4], I32), np.empty(0, I32), "alloc")  # lane 1 at seq 2
-    riding = ch.moves_for_step(0, np.array([5], I32), np.empty(0, I32), "prefill")  # seq 2
-    futures = ch.submit_steps("step", [riding, None])
+    ch.flush()  # one apply_moves call a lane
+    ch.send_moves(0, np.array([5], I32), np.empty(0, I32), "prefill")  # seq 2, waits
+    futures = ch.submit_steps("step")
     ((packet, replies),) = transport.packets
     gen0, gen1 = ch.generation(0), ch.generation(1)
     # Lane 0 waits for its apply (seq 1) and applies the riding move itself; lane 1 waits for
-    # both of its applies.
+    # both of its moves, sent in one call.
     assert packet.fences == ((gen0, 1), (gen1, 2))
-    assert packet.moves[0][:2] == (gen0, 2) and packet.moves[1] is None
+    assert [m[:2] for m in packet.moves[0]] == [(gen0, 2)] and packet.moves[1] is None
     assert packet.step == "step" and packet.epoch == "e"
     replies[0].set_result(LaneReply(({"lane": 0}, "result 0")))
     replies[1].set_result(LaneReply(({"lane": 1}, "result 1")))
@@ -80,10 +81,10 @@ def test_a_compiled_step_carries_each_lanes_move_and_fence(compiled):
     assert ch.outcome(status, 0) == {"lane": 0} and ch.outcome(result, 0) == "result 0"
     assert ch.done([status, result]) == [True, True]
     deadline = time.monotonic() + 5
-    while len(transport.calls) < 3:  # the sender submits the three apply calls
+    while len(transport.calls) < 2:  # the sender submits the two apply_moves calls
         assert time.monotonic() < deadline
         time.sleep(0.001)
-    assert transport.calls[0][1] == "apply" and len(transport.calls) == 3
+    assert [c[1] for c in transport.calls] == ["apply_moves", "apply_moves"]
     while ch.num_pending:  # every move answered, the riding one by its step's status
         assert ch.poll() == [] and time.monotonic() < deadline
         time.sleep(0.001)
@@ -91,8 +92,8 @@ def test_a_compiled_step_carries_each_lanes_move_and_fence(compiled):
 
 def test_a_riding_move_the_lane_refused_is_reported_through_its_reply(compiled):
     ch, transport = compiled
-    riding = ch.moves_for_step(1, np.array([5], I32), np.empty(0, I32), "prefill")
-    futures = ch.submit_steps("step", [None, riding])
+    ch.send_moves(1, np.array([5], I32), np.empty(0, I32), "prefill")
+    futures = ch.submit_steps("step")
     ((_, replies),) = transport.packets
     refused = MovesNotApplied("lane 1: move 1 arrived, expected 3")
     replies[0].set_result(LaneReply(error=StepAborted("lane 1 left")))
@@ -105,8 +106,8 @@ def test_a_riding_move_the_lane_refused_is_reported_through_its_reply(compiled):
 
 def test_a_step_error_on_a_lane_is_not_a_move_failure(compiled):
     ch, transport = compiled
-    riding = ch.moves_for_step(0, np.array([5], I32), np.empty(0, I32), "prefill")
-    ch.submit_steps("step", [riding, None])
+    ch.send_moves(0, np.array([5], I32), np.empty(0, I32), "prefill")
+    ch.submit_steps("step")
     ((_, replies),) = transport.packets
     for reply in replies:
         reply.set_result(LaneReply(error=RuntimeError("the model failed")))
@@ -127,7 +128,7 @@ def lane(monkeypatch):
 
 def test_a_heartbeat_counts_pages_only_once_the_moves_of_its_fence_are_applied(lane):
     assert lane.heartbeat(("g", 1))[1] is None  # the move it names has not come
-    lane.apply("g", 1, np.array([1, 2], I32), np.empty(0, I32))
+    lane.apply_moves((("g", 1, np.array([1, 2], I32), np.empty(0, I32)),))
     assert lane.heartbeat(("g", 1))[1] == 2
     assert lane.heartbeat()[1] == 2
 
@@ -149,7 +150,8 @@ def test_a_compiled_step_waits_for_its_moves_and_its_group(lane):
     from cpkv.core.steps import StepRequest, StepSequence
 
     step = StepRequest(1, "e:g2", (StepSequence(0, 4, np.array([1]), None, "r"),))
-    applier = threading.Timer(0.1, lane.apply, ("g", 1, np.array([1], I32), np.empty(0, I32)))
+    move = ("g", 1, np.array([1], I32), np.empty(0, I32))
+    applier = threading.Timer(0.1, lane.apply_moves, ((move,),))
     applier.start()
     reply = lane.compiled_step(StepPacket(step, (None,), (("g", 1),), "e"))
     applier.join()

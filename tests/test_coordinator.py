@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from cpkv import CPConfig, KVShape
+from cpkv.coordinator import channel as channel_module
 from cpkv.coordinator.coordinator import Coordinator
 from cpkv.errors import KVCapacityWaitError, LaneUnavailableError, LeaseExpiredError
 
@@ -67,7 +68,9 @@ def test_request_ids_reused_after_free_keep_lanes_exact():
         call(coord, "free", rid, bool(step % 2), None)
         assert_lanes_agree(coord)
     assert coord.stats()["cached_tokens_hit"] > 0
-    assert sum(s.num_applied for s in transport.shards) == coord.stats()["lane_calls"]
+    stats = coord.stats()
+    assert sum(s.num_applied for s in transport.shards) == stats["lane_moves"]
+    assert stats["lane_calls"] < stats["lane_moves"]  # moves wait and travel together
 
 
 def test_a_lost_move_is_detected_and_the_lane_reset():
@@ -78,13 +81,14 @@ def test_a_lost_move_is_detected_and_the_lane_reset():
     dropped = []
 
     def drop_one_apply(lane, method, *args):
-        if method == "apply" and lane == 1 and not dropped:
-            dropped.append(args[1])  # the move never arrives
+        if method == "apply_moves" and lane == 1 and not dropped:
+            dropped.append(args[0])  # the moves never arrive
             return real_submit(lane, "heartbeat")
         return real_submit(lane, method, *args)
 
     transport.submit = drop_one_apply
     call(coord, "allocate_extend", "b", np.arange(100, 140))  # moves on every lane
+    coord.lane_fence()  # sends them (lane 1's are lost)
     call(coord, "allocate_extend", "c", np.arange(200, 240))  # lane 1 sees a gap
     coord.check()  # waits for the lanes; the refused move is noticed on the next call
     with pytest.raises(LaneUnavailableError):
@@ -206,7 +210,7 @@ def test_the_coordinator_process_never_imports_torch():
             "info": {"device": "cpu"},
             "rendezvous_address": ("127.0.0.1", 1),
             "init_group": None,
-            "apply": 0,
+            "apply_moves": 0,
         }
 
         class PlainLanes:
@@ -251,17 +255,17 @@ def test_a_lane_found_lost_is_failed_at_the_coordinators_next_call():
     assert report["ok"], report
 
 
-def test_a_free_costs_no_lane_call_its_releases_ride_with_the_next_move():
-    coord, _ = make()
-    moves = lambda: coord.stats()["lane_calls_by_op"]  # counted when queued
+def test_allocations_and_frees_cost_no_lane_call_until_something_needs_their_moves(
+    monkeypatch,
+):
+    monkeypatch.setattr(channel_module, "FLUSH_AFTER_S", 60.0)  # no timer in this test
+    coord, transport = make()
     call(coord, "allocate_extend", "a", np.arange(64))  # 16 pages: 4 on every lane
-    assert moves() == {"extend": 4}
     call(coord, "free", "a", False, None)
-    assert moves() == {"extend": 4}  # held back: no lane needs to hear of it yet
-    # The pages are taken again at once: the releases go first, in the same moves.
-    call(coord, "allocate_extend", "b", np.arange(100, 164))
-    assert moves() == {"extend": 8}
-    assert_lanes_agree(coord)
-    call(coord, "free", "b", False, None)
-    assert_lanes_agree(coord)  # check() sends what was held back before comparing counts
-    assert moves() == {"extend": 8, "release": 4}
+    call(coord, "allocate_extend", "b", np.arange(100, 164))  # the same pages again
+    stats = coord.stats()
+    assert stats["lane_moves_by_op"] == {"extend": 8, "free": 4}
+    assert stats["lane_calls"] == 0 and all(s.num_applied == 0 for s in transport.shards)
+    assert_lanes_agree(coord)  # check() sends what waits before comparing counts: one call
+    assert coord.stats()["lane_calls"] == 4  # ... a lane
+    assert [s.num_applied for s in transport.shards] == [3, 3, 3, 3]

@@ -1385,14 +1385,14 @@ class RecordingTransport(LocalLaneTransport):
                 try:  # the page move riding in the call lands first, as on a lane actor
                     self.shards[lane].apply_riding(args[1] if len(args) > 1 else None)
                 except Exception as e:
-                    self.refused.append((lane, args[1][:2], repr(e)))
+                    self.refused.append((lane, tuple(m[:2] for m in args[1]), repr(e)))
                     error = e
             for f in (status, result):
                 f.set_exception(error)
             return status, result
         future = super().submit(lane, method, *args)
-        if method == "apply" and future.exception() is not None:
-            self.refused.append((lane, args[:2], repr(future.exception())))
+        if method == "apply_moves" and future.exception() is not None:
+            self.refused.append((lane, tuple(m[:2] for m in args[0]), repr(future.exception())))
         return future
 
 

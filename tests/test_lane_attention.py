@@ -113,7 +113,7 @@ def test_probe_attention_equals_sdpa(make_client, cp):
 def test_step_calls_are_one_per_lane_and_kv_never_crosses_the_driver(make_client):
     c = make_client(cp_size=4, num_pages_per_lane=48)
     prompt = np.arange(64) % 200
-    before = c.stats()["lane_calls_by_op"].get("prefill", 0)
+    before = c.stats()["lane_moves_by_op"].get("prefill", 0)
     riding_before = c.stats()["moves_in_step_calls"]
     res = c.prefill("r", prompt, probe=qkv(prompt))
     assert len(res.lane_seconds) == 4  # one step result per lane, all in one round
@@ -122,6 +122,6 @@ def test_step_calls_are_one_per_lane_and_kv_never_crosses_the_driver(make_client
         res.lane_seconds, res.lane_attention_seconds, res.lane_wait_seconds, strict=True
     ):
         assert 0 < wait < attn < total
-    assert c.stats()["lane_calls_by_op"].get("prefill", 0) - before == 4  # page moves
+    assert c.stats()["lane_moves_by_op"].get("prefill", 0) - before == 4  # page moves
     assert c.stats()["moves_in_step_calls"] - riding_before == 4  # ... riding in the steps
     assert res.allocation.page_owners is not None  # the zigzag plan

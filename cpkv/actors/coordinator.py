@@ -121,16 +121,16 @@ class CoordinatorActor:
             "lane_names": self._lane_names,
         }
 
-    # Allocations answer with the lanes' move fence: the client's writes to the pages wait
-    # for it (see LaneShard.store_kv).
+    # Allocations answer with the lanes' move fence (their moves still wait for a step): the
+    # client's writes to the pages wait for it (see LaneShard.store_kv, LaneIO).
     def allocate_extend(self, *args):
-        return self._c.allocate_extend(*args), self._c.lane_fence()
+        return self._c.allocate_extend(*args), self._c.fence()
 
     def allocate_extend_batch(self, *args):
-        return self._c.allocate_extend_batch(*args), self._c.lane_fence()
+        return self._c.allocate_extend_batch(*args), self._c.fence()
 
     def allocate_decode(self, *args):
-        return self._c.allocate_decode(*args), self._c.lane_fence()
+        return self._c.allocate_decode(*args), self._c.fence()
 
     def free(self, *args):
         return self._c.free(*args)

@@ -17,7 +17,6 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
 import ray
 
 from cpkv.core.config import KVShape
@@ -92,18 +91,11 @@ class _Lane:
         self._worker = LaneWorker(lane, cp_size, self._device, loaded)
 
     # ---------------------------------------------------------------- pages
-    def apply(
-        self,
-        generation: str,
-        seq: int,
-        taken: np.ndarray,
-        released: np.ndarray,
-        owner: int = 0,
-        cached: np.ndarray | None = None,
-    ) -> int:
+    def apply_moves(self, moves: tuple[tuple, ...]) -> int:
+        """Apply page moves in order (see :meth:`LaneShard.apply_moves`)."""
         with self._turn:
             try:
-                return self._shard.apply(generation, seq, taken, released, owner, cached)
+                return self._shard.apply_moves(moves)
             finally:
                 self._turn.notify_all()
 
@@ -177,8 +169,8 @@ class _Lane:
     def step(self, step: StepRequest, moves: tuple | None = None) -> tuple[dict, StepResult]:
         """``(status, result)``: the coordinator reads the small status (did the step write
         its K/V?), the client the result. A step that fails raises through both. ``moves``:
-        the page move that rode with the step (``apply``'s arguments), applied first; one the
-        shard refuses raises :class:`~cpkv.core.moves.MovesNotApplied` and the step does not
+        the page moves that rode with the step (each ``apply``'s arguments), applied first;
+        one the shard refuses raises :class:`~cpkv.core.moves.MovesNotApplied` and the step does not
         run."""
         with self._turn:
             return self._step(step, moves)

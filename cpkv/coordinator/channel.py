@@ -6,6 +6,13 @@ order (Ray keeps one caller's calls to an actor in order) and the coordinator
 answers its caller without waiting for the submissions. Page moves carry the
 lane's generation and a per-lane sequence number; the lane checks them.
 
+A page move does not travel when it is decided: it waits, numbered, until something on
+its lane needs it (the lane's next step carries every move waiting for it; a heartbeat,
+a client's write behind its fence, or :meth:`LaneChannel.flush` sends them in one call),
+or until it has waited ``flush_after_s``. An allocation then costs no lane call: the
+lanes learn of it with the step that uses it, as a model runner learns its block table
+with the batch.
+
 The channel speaks to lanes through a :class:`LaneTransport` (Ray actors in
 :mod:`cpkv.actors.transport`, plain objects in tests), so it runs without Ray.
 """
@@ -16,9 +23,9 @@ import contextlib
 import itertools
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,7 +33,14 @@ import numpy as np
 from cpkv.core.moves import MovesNotApplied
 from cpkv.core.steps import LaneReply, StepPacket
 
-__all__ = ["LaneChannel", "LaneDeadError", "LaneTransport", "RidingMoves", "StepAborted"]
+__all__ = ["LaneChannel", "LaneDeadError", "LaneTransport", "StepAborted"]
+
+# How long a decided page move may wait for a step to carry it before it is sent on its
+# own (with every other move waiting then). Measured on the 2-core machine
+# (benchmarks/bench_actors.py, 128k tokens at cp 4): see docs/BENCHMARKS.md, 2026-12-05.
+FLUSH_AFTER_S = 0.02
+# A lane's waiting moves are sent at once when this many pile up (bounds a flush's size).
+MAX_WAITING_MOVES = 64
 
 
 class LaneDeadError(RuntimeError):
@@ -35,19 +49,6 @@ class LaneDeadError(RuntimeError):
 
 class StepAborted(RuntimeError):
     """A compiled step's run ended because another lane died: this lane's answer is lost."""
-
-
-@dataclass(frozen=True, slots=True)
-class RidingMoves:
-    """A page move registered for a lane that travels inside its next step call.
-
-    Attributes:
-        args: the move's arguments as the lane's ``apply`` takes them.
-        future: set to the step's status handle once the step is submitted.
-    """
-
-    args: tuple
-    future: Future
 
 
 class LaneTransport(Protocol):
@@ -67,6 +68,7 @@ class LaneTransport(Protocol):
 
 
 _STOP = object()
+_WAKE = object()
 
 
 class LaneChannel:
@@ -77,23 +79,36 @@ class LaneChannel:
         cp_size: number of lanes.
         epoch: the coordinator's id; generations are ``"{epoch}:{n}"``, unique for the
             coordinator's lifetime (and across its restarts).
+        flush_after_s: the longest a page move waits for a step to carry it (default
+            ``FLUSH_AFTER_S``).
     """
 
-    def __init__(self, transport: LaneTransport, cp_size: int, epoch: str) -> None:
+    def __init__(
+        self,
+        transport: LaneTransport,
+        cp_size: int,
+        epoch: str,
+        flush_after_s: float | None = None,
+    ) -> None:
         self._transport = transport
         self.cp_size = cp_size
         self._epoch = epoch
+        self._flush_after_s = FLUSH_AFTER_S if flush_after_s is None else flush_after_s
         self._gen_numbers = itertools.count(1)
         self._generations: list[str | None] = [None] * cp_size
         self._next_seq = [1] * cp_size
-        # (lane, generation, seq, handle future, rides with a step) of moves not yet seen
-        # answered.
+        # (lane, generation, last seq, handle future, rides with a step) of the calls that
+        # carried moves, not yet seen answered.
         self._pending: deque[tuple[int, str, int, Future, bool]] = deque()
         self._pending_lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        # Per lane, releases held back (this generation): they ride with the lane's next move.
-        self._held_back: list[list[np.ndarray]] = [[] for _ in range(cp_size)]
+        # Per lane, the moves decided but not sent (``apply``'s arguments, in seq order).
+        # NOTE: taken and queued under _waiting_lock together, so the outbox keeps seq order.
+        self._waiting: list[list[tuple]] = [[] for _ in range(cp_size)]
+        self._waiting_since: float | None = None
+        self._waiting_lock = threading.Lock()
         self.num_calls = 0
+        self.num_moves = 0
         self.num_riding_moves = 0
         self.num_moves_by_op: dict[str, int] = {}
         self._sender = threading.Thread(target=self._send_loop, daemon=True, name="cpkv-sender")
@@ -111,6 +126,7 @@ class LaneChannel:
     def reset_counters(self) -> None:
         """Zero the call counts (the pool was reset)."""
         self.num_calls = 0
+        self.num_moves = 0
         self.num_riding_moves = 0
         self.num_moves_by_op.clear()
 
@@ -123,9 +139,10 @@ class LaneChannel:
         """Start a new generation of ``lane`` (it is being reset): moves count from 1 again,
         and moves of the old generation no longer matter."""
         gen = f"{self._epoch}:{next(self._gen_numbers)}"
-        self._generations[lane] = gen
-        self._next_seq[lane] = 1
-        self._held_back[lane].clear()  # the lane starts empty: nothing to release
+        with self._waiting_lock:
+            self._generations[lane] = gen
+            self._next_seq[lane] = 1
+            self._waiting[lane].clear()  # the lane starts empty: nothing to move
         with self._pending_lock:
             self._pending = deque(p for p in self._pending if p[0] != lane)
         return gen
@@ -139,87 +156,77 @@ class LaneChannel:
         owner: int = 0,
         cached: np.ndarray | None = None,
     ) -> int:
-        """Queue one page move for ``lane``; returns its sequence number.
+        """Number one page move for ``lane``; returns its sequence number. It reaches the
+        lane with the lane's next step, flush, or within ``flush_after_s``.
 
-        ``taken`` pages go to namespace ``owner``; ``cached`` pages leave their request
-        for the prefix cache (nobody may write them from then on).
+        ``taken`` pages go to namespace ``owner``; ``released`` pages are free; ``cached``
+        pages leave their request for the prefix cache (nobody may write them from then on).
 
-        NOTE: callers queue moves in decision order (under the coordinator's lock);
-        the sender keeps that order.
+        NOTE: callers number moves in decision order (under the coordinator's lock); the
+        lane applies them in that order.
         """
-        args, future = self._register_move(lane, taken, released, op, owner, cached, False)
-        self._outbox.put((lane, "apply", args, future))
-        self.num_calls += 1
-        return args[1]
-
-    def moves_for_step(
-        self,
-        lane: int,
-        taken: np.ndarray,
-        released: np.ndarray,
-        op: str,
-        owner: int = 0,
-        cached: np.ndarray | None = None,
-    ) -> RidingMoves | None:
-        """Register ``lane``'s page move (with the releases held back for it) to ride inside
-        its next step call (:meth:`submit_step`) instead of a call of its own: one lane task
-        fewer before the step. ``None`` when there is nothing to move."""
-        if not (taken.size or released.size or self._held_back[lane]) and (
-            cached is None or not cached.size
-        ):
-            return None
-        args, future = self._register_move(lane, taken, released, op, owner, cached, True)
-        self.num_riding_moves += 1
-        return RidingMoves(args, future)
-
-    def _register_move(
-        self,
-        lane: int,
-        taken: np.ndarray,
-        released: np.ndarray,
-        op: str,
-        owner: int,
-        cached: np.ndarray | None,
-        rides: bool,
-    ) -> tuple[tuple, Future]:
         gen = self._generations[lane]
         assert gen is not None, f"lane {lane} has no generation yet"
-        held = self._held_back[lane]
-        if held:  # released before the pages taken here (a page may be in both)
-            released = np.concatenate([*held, released])
-            held.clear()
-        seq = self._next_seq[lane]
-        self._next_seq[lane] = seq + 1
+        with self._waiting_lock:
+            seq = self._next_seq[lane]
+            self._next_seq[lane] = seq + 1
+            args = (gen, seq, taken, released, owner)
+            if cached is not None and cached.size:
+                args += (cached,)
+            waiting = self._waiting[lane]
+            waiting.append(args)
+            if self._waiting_since is None:
+                self._waiting_since = time.monotonic()
+                self._outbox.put(_WAKE)  # the sender may be waiting with no deadline
+            if len(waiting) >= MAX_WAITING_MOVES:
+                self._send_waiting(lane)
+        self.num_moves += 1
+        self.num_moves_by_op[op] = self.num_moves_by_op.get(op, 0) + 1
+        return seq
+
+    def flush(self) -> None:
+        """Send every lane the moves waiting for it now (one call a lane that has some)."""
+        with self._waiting_lock:
+            for lane in range(self.cp_size):
+                if self._waiting[lane]:
+                    self._send_waiting(lane)
+            self._waiting_since = None
+
+    @property
+    def num_waiting_moves(self) -> int:
+        """Moves decided and not yet sent."""
+        with self._waiting_lock:
+            return sum(len(w) for w in self._waiting)
+
+    def _take_waiting(self, lane: int) -> tuple | None:
+        """``lane``'s waiting moves as one batch (lock held); ``None`` when there are none."""
+        waiting = self._waiting[lane]
+        if not waiting:
+            return None
+        batch = tuple(waiting)
+        waiting.clear()
+        return batch
+
+    def _track(self, lane: int, batch: tuple, rides: bool) -> Future:
+        """A future for the call carrying ``batch``, tracked until it is answered."""
         future: Future = Future()
         with self._pending_lock:
-            self._pending.append((lane, gen, seq, future, rides))
-        args = (gen, seq, taken, released, owner)
-        if cached is not None and cached.size:
-            args += (cached,)
-        self.num_moves_by_op[op] = self.num_moves_by_op.get(op, 0) + 1
-        return args, future
+            self._pending.append((lane, batch[0][0], batch[-1][1], future, rides))
+        return future
 
-    def hold_release(self, lane: int, released: np.ndarray) -> None:
-        """Keep a move that only releases pages until ``lane``'s next move (it goes first
-        there) or :meth:`flush_releases`: one lane call fewer per free.
-
-        NOTE: a freed page matters to its lane only once it is taken again, which sends the
-        release first, or when the lane's count is checked (flush first). Until then its
-        former owner's late writes still land in it, on a page nobody holds.
-        """
-        self._held_back[lane].append(released)
-
-    def flush_releases(self) -> None:
-        """Send every release held back (before the lanes' counts are compared)."""
-        empty = np.empty(0, dtype=np.int32)
-        for lane, held in enumerate(self._held_back):
-            if held:
-                self.send_moves(lane, empty, empty, "release")
+    def _send_waiting(self, lane: int) -> None:
+        """Queue one ``apply_moves`` call with ``lane``'s waiting moves (lock held)."""
+        batch = self._take_waiting(lane)
+        assert batch is not None
+        self._outbox.put((lane, "apply_moves", (batch,), self._track(lane, batch, False)))
+        self.num_calls += 1
 
     def fence(self) -> list[tuple[str | None, int]]:
-        """Per lane ``(generation, sequence number of the last move queued)``: a lane that has
-        applied its move has every page decided so far (clients wait for it before a write)."""
-        return [(g, n - 1) for g, n in zip(self._generations, self._next_seq, strict=True)]
+        """Per lane ``(generation, sequence number of the last move decided)``: a lane that
+        has applied its move has every page decided so far (clients wait for it before a
+        write, after :meth:`flush`)."""
+        with self._waiting_lock:
+            return [(g, n - 1) for g, n in zip(self._generations, self._next_seq, strict=True)]
 
     def submit(self, lane: int, method: str, *args: Any) -> Future:
         """Queue any lane call behind those already queued; a future of its handle."""
@@ -227,36 +234,40 @@ class LaneChannel:
         self._outbox.put((lane, method, args, future))
         return future
 
-    def submit_step(self, lane: int, step: Any, moves: RidingMoves | None) -> Future:
-        """Queue ``lane``'s step call, carrying its page move when there is one; a future of
-        its ``(status, result)`` handles."""
-        if moves is None:
-            return self.submit(lane, "step", step)
-        future: Future = Future()
-        self._outbox.put((lane, "step", (step, moves.args), future, moves.future))
-        return future
-
-    def submit_steps(self, step: Any, moves: list[RidingMoves | None]) -> list[Future]:
-        """Queue one step for every lane, each carrying its page move when it has one; per
-        lane a future of its ``(status, result)`` handles.
+    def submit_steps(self, step: Any) -> list[Future]:
+        """Queue one step for every lane, each carrying the page moves waiting for it (applied
+        before the step runs); per lane a future of its ``(status, result)`` handles.
 
         Through a compiled graph the step does not travel behind the lanes' queued calls:
-        each lane gets a fence (the last move queued for it before the step's own) and waits
+        each lane gets a fence (the last move sent before those its step carries) and waits
         until it has applied it. The handles are then :class:`LaneReply` values.
         """
-        if not self.compiled:
-            return [self.submit_step(r, step, moves[r]) for r in range(self.cp_size)]
-        fences = tuple(
-            (self._generations[r], self._next_seq[r] - 1 if m is None else m.args[1] - 1)
-            for r, m in enumerate(moves)
-        )
-        args = tuple(None if m is None else m.args for m in moves)
-        replies = self._transport.execute_steps(StepPacket(step, args, fences, self._epoch))
+        with self._waiting_lock:
+            batches = [self._take_waiting(r) for r in range(self.cp_size)]
+            self._waiting_since = None
+            self.num_riding_moves += sum(len(b) for b in batches if b is not None)
+            moves = [None if b is None else self._track(r, b, True) for r, b in enumerate(batches)]
+            if not self.compiled:
+                out = []
+                for r, (batch, move) in enumerate(zip(batches, moves, strict=True)):
+                    future: Future = Future()
+                    if batch is None:
+                        self._outbox.put((r, "step", (step,), future))
+                    else:
+                        self._outbox.put((r, "step", (step, batch), future, move))
+                    out.append(future)
+                return out
+            fences = tuple(
+                (self._generations[r], self._next_seq[r] - 1 if b is None else b[0][1] - 1)
+                for r, b in enumerate(batches)
+            )
+        packet = StepPacket(step, tuple(batches), fences, self._epoch)
+        replies = self._transport.execute_steps(packet)
         self.num_calls += 1
         out = []
-        for reply, m in zip(replies, moves, strict=True):
+        for reply, move in zip(replies, moves, strict=True):
             handles: Future = Future()
-            reply.add_done_callback(_split_reply(handles, None if m is None else m.future))
+            reply.add_done_callback(_split_reply(handles, move))
             out.append(handles)
         return out
 
@@ -338,9 +349,19 @@ class LaneChannel:
     # ---------------------------------------------------------------- sender
     def _send_loop(self) -> None:
         while True:
-            item = self._outbox.get()
+            since = self._waiting_since
+            wait = None if since is None else since + self._flush_after_s - time.monotonic()
+            if wait is not None and wait <= 0:
+                self.flush()  # moves waited flush_after_s for a step: send them on their own
+                continue
+            try:
+                item = self._outbox.get(timeout=wait)
+            except queue.Empty:
+                continue
             if item is _STOP:
                 return
+            if item is _WAKE:
+                continue
             lane, method, args, future, *move = item
             try:
                 handle = self._transport.submit(lane, method, *args)
@@ -351,7 +372,7 @@ class LaneChannel:
                     f.set_exception(e)
                 continue
             future.set_result(handle)
-            for f in move:  # the move rode with a step: it is answered by the step's status
+            for f in move:  # the moves rode with a step: they are answered by its status
                 f.set_result(status)
 
 

@@ -3,13 +3,14 @@
 This is the plain class behind :class:`cpkv.actors.CoordinatorActor` (which only
 delegates to it), so tests drive it without Ray through a transport of plain
 lane objects. It answers every call from its exact mirror of the lanes (the
-core) and queues each touched lane's page moves on the :class:`LaneChannel`
-without waiting; the :class:`LaneSupervisor` keeps the lanes' table and group and
-brings lost lanes back off the lock (the coordinator asks it, and takes the lanes
-it found lost at its next call); a :class:`LeaseTable` frees the requests of
-clients that went silent. Prefill, batched prefill and decode are one pipeline
-(:meth:`Coordinator._run_step`): decide, queue the page moves, send one
-:class:`StepRequest` to every lane.
+core) and numbers each touched lane's page moves on the :class:`LaneChannel`,
+where they wait for the lane's next step (or a flush); the :class:`LaneSupervisor`
+keeps the lanes' table and group and brings lost lanes back off the lock (the
+coordinator asks it, and takes the lanes it found lost at its next call); a
+:class:`LeaseTable` frees the requests of clients that went silent. Prefill,
+batched prefill and decode are one pipeline (:meth:`Coordinator._run_step`):
+decide, number the page moves, send one :class:`StepRequest` to every lane
+carrying them.
 
 Answers are values or :class:`cpkv.CPKVError` instances (returned, not raised, so
 they cross Ray as themselves and can be remembered for a retried call).
@@ -33,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from cpkv.coordinator.channel import LaneChannel, LaneTransport, RidingMoves
+from cpkv.coordinator.channel import LaneChannel, LaneTransport
 from cpkv.coordinator.supervisor import DEAD, RESTARTING, UP, LaneSupervisor
 from cpkv.core.allocator import CPAllocator, ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
@@ -406,10 +407,11 @@ class Coordinator:
             shared = step
             if not self._channel.compiled and _worth_sharing(step, self.config.cp_size):
                 shared = self._share(step)
-            # NOTE: each lane's page moves ride in its step call, applied before the step runs;
-            # registered (numbered, fenced) only once nothing can fail before the calls queue.
-            moves = self._dispatch_with_step(op, client_id)
-            handles = self._channel.submit_steps(shared, moves)
+            # NOTE: each lane's page moves ride in its step call, applied before the step runs
+            # (measured on the 2-core machine: a move's own lane call cost a 16-token prefill
+            # ~0.55 ms); numbered only once nothing can fail before the calls queue.
+            self._dispatch(op, client_id)
+            handles = self._channel.submit_steps(shared)
             self._track_step(step, handles)
             answer["lanes"] = handles
             return answer
@@ -650,10 +652,17 @@ class Coordinator:
         ns = self._namespace(client_id)
         return _NO_NAMESPACE_ID if ns is None else self._namespace_id(ns)
 
-    def lane_fence(self) -> list[tuple[str | None, int]]:
-        """Per lane, the last page move queued: a client's write waits for its lane to get
+    def fence(self) -> list[tuple[str | None, int]]:
+        """Per lane, the last page move decided: a client's write waits for its lane to get
         there (the moves that gave it its pages travel on another path than its write)."""
         with self._lock:
+            return self._channel.fence()
+
+    def lane_fence(self) -> list[tuple[str | None, int]]:
+        """:meth:`fence`, after sending every move still waiting for a step (a client's write
+        found its lane behind its fence)."""
+        with self._lock:
+            self._channel.flush()
             return self._channel.fence()
 
     def _share(self, obj: Any) -> Any:
@@ -742,11 +751,12 @@ class Coordinator:
             out["lane_states"] = states
             out["restarting_lanes"] = [r for r, s in enumerate(states) if s == RESTARTING]
             out["dead_lanes"] = [r for r, s in enumerate(states) if s == DEAD]
-            # Page moves sent as calls of their own (allocations, frees, flushed releases),
-            # those that rode in step calls instead, and both kinds by the op that made them.
+            # Lane calls that carried page moves of their own (and compiled steps), the moves
+            # decided, those that rode in step calls, and the moves by the op that made them.
             out["lane_calls"] = self._channel.num_calls
+            out["lane_moves"] = self._channel.num_moves
             out["moves_in_step_calls"] = self._channel.num_riding_moves
-            out["lane_calls_by_op"] = dict(self._channel.num_moves_by_op)
+            out["lane_moves_by_op"] = dict(self._channel.num_moves_by_op)
             out["pending_lane_calls"] = self._channel.num_pending
             out["num_leases"] = self._leases.num_leases
             out["leases_expired"] = self._leases.num_expired_requests
@@ -917,26 +927,14 @@ class Coordinator:
                 self._core.free(rid, cache=False)
 
     def _dispatch(self, op: str, client_id: str | None = None) -> None:
-        """Queue each lane its page moves (the lanes apply them in this order); pages taken
-        belong to the caller's namespace."""
+        """Number each lane its page moves (the lanes apply them in this order; they travel
+        with the lane's next step, or on their own soon after); pages taken belong to the
+        caller's namespace."""
         cached = self._core.drain_cached_pages()
         owner = self._owner_id(client_id)
         for r, (taken, released) in enumerate(self._core.drain_page_moves()):
-            if taken.size or cached[r].size:
+            if taken.size or released.size or cached[r].size:
                 self._channel.send_moves(r, taken, released, op, owner, cached[r])
-            elif released.size:
-                self._channel.hold_release(r, released)
-
-    def _dispatch_with_step(self, op: str, client_id: str | None) -> list[RidingMoves | None]:
-        """Register each lane's page moves (and its releases held back) to ride in the step
-        about to be sent to every lane: per lane, the move or ``None``. Measured on the
-        2-core machine: a move's own lane call cost a 16-token prefill ~0.55 ms."""
-        cached = self._core.drain_cached_pages()
-        owner = self._owner_id(client_id)
-        return [
-            self._channel.moves_for_step(r, taken, released, op, owner, cached[r])
-            for r, (taken, released) in enumerate(self._core.drain_page_moves())
-        ]
 
     def _held_per_lane(self) -> list[int]:
         free = self._core.num_free_pages_per_lane()

@@ -229,8 +229,8 @@ class LaneSupervisor:
 
     # --------------------------------------------------------------- heartbeat
     def send_heartbeats(self) -> dict[int, tuple[str | None, str | None, Any]]:
-        """Queue a heartbeat to every serving lane, behind its page moves (the releases held
-        back go first: the count a lane answers includes them).
+        """Queue a heartbeat to every serving lane, behind its page moves (those still
+        waiting for a step are sent first: the count a lane answers includes them).
 
         NOTE: the coordinator's lock is held, so the replies compare with its mirror as it
         is now.
@@ -238,7 +238,7 @@ class LaneSupervisor:
         Returns:
             per lane ``(incarnation known, generation, future of the reply)``.
         """
-        self._channel.flush_releases()
+        self._channel.flush()
         # A lane counts its pages only once it has applied every move queued so far (those
         # riding in compiled steps do not travel behind the heartbeat).
         fence = self._channel.fence()

@@ -217,8 +217,8 @@ class StepPacket:
 
     Attributes:
         step: the step (``None``: a warm-up that only says whose graph the lane serves).
-        moves: per lane, the page move riding in the step (``LaneShard.apply``'s arguments)
-            or ``None``.
+        moves: per lane, the page moves riding in the step (a tuple of
+            ``LaneShard.apply``'s arguments) or ``None``.
         fences: per lane ``(generation, seq)``: the moves the lane must have applied, through
             its ordinary calls, before this step's own (which it waits for: the step does not
             travel behind them).

@@ -144,17 +144,29 @@ class LaneShard:
         self.num_applied += 1
         return self._replies.put(seq, self.num_held_pages)
 
-    def apply_riding(self, moves: tuple | None) -> None:
-        """Apply the page move that rode in a step call (``apply``'s arguments), before the
-        step runs.
+    def apply_moves(self, moves: tuple[tuple, ...]) -> int:
+        """Apply several moves (each ``apply``'s arguments) in order; pages held after them.
 
         Raises:
-            MovesNotApplied: the shard refused the move (the step must not run).
+            MoveOrderError, AssertionError: as :meth:`apply`, for the first move refused
+            (those before it stay applied; the coordinator resets a lane that refuses one).
+        """
+        held = self.num_held_pages
+        for move in moves:
+            held = self.apply(*move)
+        return held
+
+    def apply_riding(self, moves: tuple[tuple, ...] | None) -> None:
+        """Apply the page moves that rode in a step call (each ``apply``'s arguments), before
+        the step runs.
+
+        Raises:
+            MovesNotApplied: the shard refused a move (the step must not run).
         """
         if moves is None:
             return
         try:
-            self.apply(*moves)
+            self.apply_moves(moves)
         except Exception as e:
             raise MovesNotApplied(f"lane {self.lane}: {type(e).__name__}: {e}") from e
 

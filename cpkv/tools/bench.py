@@ -163,8 +163,9 @@ def _point(cfg: BenchConfig, cp: int, context: int) -> dict:
         "balance_max_over_min": float(per_lane_pages.max() / max(1, per_lane_pages.min())),
         "pages_evicted": stats["pages_evicted"],
         "capacity_waits": stats["capacity_waits"],
-        # The caller's one call, plus the lane calls the coordinator sent for allocations.
-        "actor_calls_per_alloc": 1 + stats["lane_calls_by_op"].get("extend", 0) / max(1, allocs),
+        # The caller's one call, plus every lane call the coordinator sent with page moves
+        # (for allocations and frees alike: the moves of several travel in one call).
+        "actor_calls_per_alloc": 1 + stats["lane_calls"] / max(1, allocs),
         "fallbacks": json.dumps(stats["fallbacks_by_reason"]),
         "nodes": len(nodes),
         "lane_nodes": lane_nodes,
