@@ -85,6 +85,23 @@ def main() -> None:
             if args.check_every and (i + 1) % args.check_every == 0:
                 assert client.check()["ok"]
         after = client.stats()
+        # What waiting moves cost a client that writes right after its allocation: the
+        # write finds its lanes behind its fence and has the coordinator send the moves.
+        import torch
+
+        short = prompt[: 4 * ps]  # a page on every lane at cp 4
+        k = torch.zeros(short.size, 1, 8)
+        write_times, write_again_times = [], []
+        for _ in range(max(20, args.iters // 4)):
+            rid = next(n)
+            t0 = time.perf_counter()
+            alloc = client.allocate_extend(rid, short)
+            client.store_kv(alloc.out_cache_loc, k, k)
+            t1 = time.perf_counter()
+            client.store_kv(alloc.out_cache_loc, k, k)
+            write_times.append(t1 - t0)
+            write_again_times.append(time.perf_counter() - t1)
+            client.free(rid, cache=False)
         lane_round = timed(client.ping_lanes, args.iters)
         coord_round = timed(lambda: ray.get(coord.ping.remote()), args.iters)
         report = client.check()
@@ -105,6 +122,8 @@ def main() -> None:
         "coordinator_round_median_ms": statistics.median(coord_round) * 1e3,
         "actor_calls_per_allocation": 1 + lane_calls / allocs,
     }
+    res["alloc_then_write_median_ms"] = statistics.median(write_times) * 1e3
+    res["write_again_median_ms"] = statistics.median(write_again_times) * 1e3
     res["alloc_over_lane_round"] = res["alloc_median_ms"] / res["lane_round_median_ms"]
     print(
         f"allocate_extend {ctx} tokens at cp {cp}: median {res['alloc_median_ms']:.2f} ms, "
@@ -113,6 +132,11 @@ def main() -> None:
     print(f"bare parallel no-op round to {cp} lanes: median {res['lane_round_median_ms']:.2f} ms")
     print(
         f"no-op call to the coordinator:        median {res['coordinator_round_median_ms']:.2f} ms"
+    )
+    print(
+        f"allocate {4 * ps} tokens then write their K/V: median "
+        f"{res['alloc_then_write_median_ms']:.2f} ms (the same write again: "
+        f"{res['write_again_median_ms']:.2f} ms)"
     )
     print(f"ratio allocate / lane round: {res['alloc_over_lane_round']:.2f} (target <= 1.5)")
     print(

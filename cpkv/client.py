@@ -318,8 +318,11 @@ class CPKVClient:
             pool = Pool(None, coordinator, self.config, self.lanes, self.lane_names)
         self._pool = pool
         self.name: str | None = pool.name  # the coordinator's actor name, when known
-        # Per lane, the last page move the coordinator had queued at our last allocation.
+        # Per lane, the last page move the coordinator had decided at our last allocation,
+        # and when it came: for move_flush_s after it, its moves may still wait there.
         self._fence: list | None = None
+        self._fence_at = -float("inf")
+        self._move_flush_s: float = hello.get("move_flush_s", 0.0)
         self._fence_lock = threading.Lock()
         self._io = LaneIO(
             self.lanes,
@@ -329,6 +332,7 @@ class CPKVClient:
             self._namespace_id,
             self.timeout_s,
             fence=_weakly(self._current_fence),
+            fence_waiting=_weakly(self._fence_waiting),
             refresh_fence=_weakly(self._refresh_fence),
             unwrap=_weakly(self._unwrap),
             lane_lost=_weakly(self._lane_lost),
@@ -413,15 +417,25 @@ class CPKVClient:
         answer, fence = out
         with self._fence_lock:
             self._fence = fence if self._fence is None else _later_fence(self._fence, fence)
+            self._fence_at = time.monotonic()
         return answer
 
     def _current_fence(self) -> list | None:
         """Per lane, the latest page move seen (``None``: no allocation answered yet)."""
         return self._fence
 
+    def _fence_waiting(self) -> bool:
+        """Whether the fence's moves may still wait at the coordinator for a step (they are
+        sent within ``move_flush_s`` of the answer that named them)."""
+        return time.monotonic() - self._fence_at < self._move_flush_s
+
     def _refresh_fence(self) -> None:
-        """Take every page move the coordinator decided so far as the fence."""
-        self._take_fence((None, self._get(self._coord.lane_fence.remote(), "fence")))
+        """Have the coordinator send every page move it decided so far; take them as the
+        fence."""
+        fence = self._get(self._coord.lane_fence.remote(), "fence")
+        with self._fence_lock:
+            self._fence = fence if self._fence is None else _later_fence(self._fence, fence)
+            self._fence_at = -float("inf")  # sent: nothing waits
 
     def _translate(self, e: Exception, what: str) -> Exception:
         """Ray's timeout and actor errors as cpkv's; anything else unchanged."""
@@ -443,6 +457,7 @@ class CPKVClient:
             )
             self._epoch = hello["epoch"]
             self._hasher = _hasher(self.config, hello)  # a new coordinator: a new key
+            self._move_flush_s = hello.get("move_flush_s", 0.0)
             raise CoordinatorUnavailableError(out.detail, self._take_lost())
         if isinstance(out, (LaneUnavailableError, LeaseExpiredError)):
             self._forget(out.rids)

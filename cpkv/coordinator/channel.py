@@ -115,6 +115,11 @@ class LaneChannel:
         self._sender.start()
 
     @property
+    def flush_after_s(self) -> float:
+        """The longest a page move waits for a step before it is sent on its own."""
+        return self._flush_after_s
+
+    @property
     def transport(self) -> LaneTransport:
         return self._transport
 

@@ -202,6 +202,7 @@ class Coordinator:
             "vocab_size": self.vocab_size,
             "namespace_id": ns_id,
             "page_hash_key": None if client_id is None else self._hash_key,
+            "move_flush_s": self._channel.flush_after_s,
         }
 
     def reset(self) -> None:
