@@ -170,9 +170,9 @@ class LaneChannel:
         NOTE: callers number moves in decision order (under the coordinator's lock); the
         lane applies them in that order.
         """
-        gen = self._generations[lane]
-        assert gen is not None, f"lane {lane} has no generation yet"
         with self._waiting_lock:
+            gen = self._generations[lane]
+            assert gen is not None, f"lane {lane} has no generation yet"
             seq = self._next_seq[lane]
             self._next_seq[lane] = seq + 1
             args = (gen, seq, taken, released, owner)
