@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from cpkv.actors.pool import LaneOptions, Pool
+from cpkv.actors.wire import PACKED_CALLS, pack, unpack
 from cpkv.coordinator.channel import LaneDeadError, StepAborted
 from cpkv.core.allocator import ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
@@ -376,8 +377,10 @@ class CPKVClient:
         """One coordinator answer (no call id: status and lease calls)."""
         return self._run(self._answer(ref, what))
 
-    def _answer(self, ref, what: str, fenced: bool = False) -> _Call:
+    def _answer(self, ref, what: str, fenced: bool = False, packed: bool = False) -> _Call:
         out = yield ref, what
+        if packed:  # cpkv.actors.wire
+            out = unpack(out)
         return self._unwrap(self._take_fence(out) if fenced else out)
 
     def _call(
@@ -392,9 +395,11 @@ class CPKVClient:
         """
         call_id = self._call_id(call_id)
         for attempt in range(self.call_retries + 1):
-            ref = getattr(self._coord, method).remote(self._epoch, self.client_id, call_id, *args)
+            call = (self._epoch, self.client_id, call_id, *args)
+            packed = method in PACKED_CALLS
+            ref = getattr(self._coord, method).remote(*((pack(call),) if packed else call))
             try:
-                return (yield from self._answer(ref, what, fenced))
+                return (yield from self._answer(ref, what, fenced, packed))
             except RequestTimeoutError as e:
                 if attempt == self.call_retries:
                     raise _retryable(e, call_id) from None

@@ -12,6 +12,7 @@ import torch
 
 import cpkv
 from cpkv import CPAllocator, InvalidRequestError, KVCapacityWaitError
+from cpkv.actors.wire import pack, unpack
 
 from .conftest import CUDA_DEVICES, DEFAULTS, NUM_GPUS
 
@@ -142,8 +143,9 @@ def test_repeated_call_id_allocates_nothing_twice(make_client):
     ray = c._ray
     tokens = np.arange(40)
     call = (c._epoch, c.client_id, ("retry", 1), "r", tokens, None)
-    first, _ = ray.get(coord.allocate_extend.remote(*call))  # (answer, lanes' move fence)
-    again, _ = ray.get(coord.allocate_extend.remote(*call))
+    # (answer, lanes' move fence), packed (cpkv.actors.wire)
+    first, _ = unpack(ray.get(coord.allocate_extend.remote(pack(call))))
+    again, _ = unpack(ray.get(coord.allocate_extend.remote(pack(call))))
     assert again.new_pages.tolist() == first.new_pages.tolist()
     assert c.stats()["extend_allocations"] == 1
     # A lane move repeated with the same (generation, seq) changes nothing either.

@@ -8,6 +8,7 @@ import torch
 
 import cpkv
 from cpkv import InvalidRequestError
+from cpkv.actors.wire import PACKED_CALLS, unpack
 
 pytestmark = pytest.mark.ray
 
@@ -28,7 +29,8 @@ class CallRecorder:
         class _Method:
             def remote(self, *args, **kwargs):
                 recorder.calls.append(name)
-                recorder.sent.append((name, args))
+                logical = unpack(args[0]) if name in PACKED_CALLS else args  # as the client made it
+                recorder.sent.append((name, logical))
                 return method.remote(*args, **kwargs)
 
         return _Method()

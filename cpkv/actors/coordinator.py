@@ -15,6 +15,7 @@ import ray
 from cpkv.actors.liveness import ProcessLiveness
 from cpkv.actors.ray_env import NAMESPACE
 from cpkv.actors.transport import CompiledRayLaneTransport, RayLaneTransport
+from cpkv.actors.wire import pack, unpack
 from cpkv.coordinator.coordinator import Coordinator
 from cpkv.core.config import CPConfig, KVShape
 
@@ -122,18 +123,19 @@ class CoordinatorActor:
         }
 
     # Allocations answer with the lanes' move fence (their moves still wait for a step): the
-    # client's writes to the pages wait for it (see LaneShard.store_kv, LaneIO).
-    def allocate_extend(self, *args):
-        return self._c.allocate_extend(*args), self._c.fence()
+    # client's writes to the pages wait for it (see LaneShard.store_kv, LaneIO). These calls
+    # take their arguments and give their answer packed (cpkv.actors.wire).
+    def allocate_extend(self, call: bytes) -> bytes:
+        return pack((self._c.allocate_extend(*unpack(call)), self._c.fence()))
 
-    def allocate_extend_batch(self, *args):
-        return self._c.allocate_extend_batch(*args), self._c.fence()
+    def allocate_extend_batch(self, call: bytes) -> bytes:
+        return pack((self._c.allocate_extend_batch(*unpack(call)), self._c.fence()))
 
-    def allocate_decode(self, *args):
-        return self._c.allocate_decode(*args), self._c.fence()
+    def allocate_decode(self, call: bytes) -> bytes:
+        return pack((self._c.allocate_decode(*unpack(call)), self._c.fence()))
 
-    def free(self, *args):
-        return self._c.free(*args)
+    def free(self, call: bytes) -> bytes:
+        return pack(self._c.free(*unpack(call)))
 
     def prefill(self, *args):
         return self._c.prefill(*args)
