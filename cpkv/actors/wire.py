@@ -5,8 +5,9 @@ own; for the allocation path's small objects (a 128k-token ``TokenDigest`` is 16
 ``ExtendAllocation`` answer 17 KB) that costs more than the data. One in-band pickle each
 way: measured on the 2-core machine (``benchmarks/bench_actors.py --iters 300``, 128k
 tokens at cp 4, five pairs alternating) allocate_extend 2.26-2.58 ms in four runs (one
-4.86) against 3.09-5.02 ms with Ray's own serialisation (docs/BENCHMARKS.md, 2026-12-05). Steps are not packed: their answers hold object refs,
-which only Ray's serialisation lends correctly.
+4.86) against 3.09-5.02 ms with Ray's own serialisation (docs/BENCHMARKS.md, 2026-12-05).
+Steps are not packed: their answers hold object refs, which only Ray's serialisation lends
+correctly.
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ from cpkv.core.steps import LaneReply, StepPacket
 __all__ = ["LaneChannel", "LaneDeadError", "LaneTransport", "StepAborted"]
 
 # How long a decided page move may wait for a step to carry it before it is sent on its
-# own (with every other move waiting then). Measured on the 2-core machine
-# (benchmarks/bench_actors.py, 128k tokens at cp 4): see docs/BENCHMARKS.md, 2026-12-05.
+# own (with every other move waiting then). On the 2-core machine (bench_actors.py
+# --iters 300, 128k tokens at cp 4, two pairs alternating) 20 ms gave 1.27 / 1.41x a bare
+# round and 200 ms 1.39 / 1.40x: no gain from waiting longer, and lanes lag less.
 FLUSH_AFTER_S = 0.02
 # A lane's waiting moves are sent at once when this many pile up (bounds a flush's size).
 MAX_WAITING_MOVES = 64
