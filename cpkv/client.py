@@ -420,10 +420,15 @@ class CPKVClient:
         """Keep the latest move of each lane seen in any answer: answers of concurrent calls
         arrive in any order, and a write must wait for the moves of its own allocation."""
         answer, fence = out
+        self._merge_fence(fence, waiting=True)
+        return answer
+
+    def _merge_fence(self, fence: list, waiting: bool) -> None:
+        """Take ``fence`` where it is later than ours; ``waiting``: its moves may still wait
+        at the coordinator (an allocation's answer), else they were sent (``lane_fence``)."""
         with self._fence_lock:
             self._fence = fence if self._fence is None else _later_fence(self._fence, fence)
-            self._fence_at = time.monotonic()
-        return answer
+            self._fence_at = time.monotonic() if waiting else -float("inf")
 
     def _current_fence(self) -> list | None:
         """Per lane, the latest page move seen (``None``: no allocation answered yet)."""
@@ -437,10 +442,7 @@ class CPKVClient:
     def _refresh_fence(self) -> None:
         """Have the coordinator send every page move it decided so far; take them as the
         fence."""
-        fence = self._get(self._coord.lane_fence.remote(), "fence")
-        with self._fence_lock:
-            self._fence = fence if self._fence is None else _later_fence(self._fence, fence)
-            self._fence_at = -float("inf")  # sent: nothing waits
+        self._merge_fence(self._get(self._coord.lane_fence.remote(), "fence"), waiting=False)
 
     def _translate(self, e: Exception, what: str) -> Exception:
         """Ray's timeout and actor errors as cpkv's; anything else unchanged."""
