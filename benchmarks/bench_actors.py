@@ -85,12 +85,12 @@ def main() -> None:
             if args.check_every and (i + 1) % args.check_every == 0:
                 assert client.check()["ok"]
         after = client.stats()
-        # What waiting moves cost a client that writes right after its allocation: the
-        # write finds its lanes behind its fence and has the coordinator send the moves.
+        # What waiting moves cost a client that writes right after its allocation: its
+        # write first has the coordinator send them (one round, see LaneIO).
         import torch
 
-        short = prompt[: 4 * ps]  # a page on every lane at cp 4
-        k = torch.zeros(short.size, 1, 8)
+        short = prompt[: cp * ps]  # a page on every lane
+        k = torch.zeros(short.size, client.kv.num_heads, client.kv.head_dim)
         write_times, write_again_times = [], []
         for _ in range(max(20, args.iters // 4)):
             rid = next(n)
@@ -134,7 +134,7 @@ def main() -> None:
         f"no-op call to the coordinator:        median {res['coordinator_round_median_ms']:.2f} ms"
     )
     print(
-        f"allocate {4 * ps} tokens then write their K/V: median "
+        f"allocate {cp * ps} tokens then write their K/V: median "
         f"{res['alloc_then_write_median_ms']:.2f} ms (the same write again: "
         f"{res['write_again_median_ms']:.2f} ms)"
     )
