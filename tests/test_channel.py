@@ -35,7 +35,8 @@ class FakeTransport:
 @pytest.fixture
 def channel():
     transport = FakeTransport()
-    ch = LaneChannel(transport, cp_size=2, epoch="e")
+    # No timer flush here: moves wait for a step or flush() (the timer has its own test).
+    ch = LaneChannel(transport, cp_size=2, epoch="e", flush_after_s=60.0)
     for lane in range(2):
         ch.new_generation(lane)
     yield ch, transport
