@@ -6,11 +6,14 @@ and of a no-op call to the coordinator, all in this one run, on a model preset w
 weights. A prefill's fixed cost is its wall time less its slowest lane's step: the control
 path (client -> coordinator -> lanes -> client) with no lane computing.
 
-    python benchmarks/bench_steps.py [--cp 1,4] [--dispatch calls,compiled] [--model tiny]
-        [--tokens 16] [--iters 40]
+    python benchmarks/bench_steps.py [--cp 1,4] [--dispatch calls,compiled,graph]
+        [--model tiny] [--tokens 16] [--iters 40]
 
-``--dispatch``: how steps reach the lanes, one row each, side by side: ``calls`` (an actor
-call per lane) or ``compiled`` (one Ray compiled graph, ``cpkv.connect(compiled_steps=True)``).
+``--dispatch``: how steps travel, one row each, side by side: ``calls`` (an actor call to
+the coordinator, one per lane from it), ``compiled`` (the coordinator's steps to the lanes
+through one Ray compiled graph, the client's to the coordinator an actor call:
+``cpkv.connect(compiled_steps=True, step_graph=False)``) or ``graph`` (the client's through
+a compiled graph of its own too: ``cpkv.connect(compiled_steps=True)``).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def _point(args, cp: int, dispatch: str) -> dict:
         model_seed=0,
         dtype=config.dtype,
         name=f"bench-steps-{cp}-{time.time_ns()}",
-        compiled_steps=dispatch == "compiled",
+        compiled_steps=dispatch in ("compiled", "graph"),
+        step_graph=dispatch == "graph",
     )
     try:
         rng = np.random.default_rng(0)
@@ -116,7 +120,9 @@ def _point(args, cp: int, dispatch: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cp", default="1,4", help="comma-separated cp sizes")
-    parser.add_argument("--dispatch", default="calls,compiled", help="calls and/or compiled")
+    parser.add_argument(
+        "--dispatch", default="calls,compiled,graph", help="calls, compiled and/or graph"
+    )
     parser.add_argument("--model", default="tiny", help="a preset of cpkv.models")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=64)
@@ -127,8 +133,8 @@ def main() -> None:
     args = parser.parse_args()
     dispatches = args.dispatch.split(",")
     for d in dispatches:
-        if d not in ("calls", "compiled"):
-            parser.error(f"--dispatch {d!r}: expected calls or compiled")
+        if d not in ("calls", "compiled", "graph"):
+            parser.error(f"--dispatch {d!r}: expected calls, compiled or graph")
     rows = [_point(args, int(cp), d) for cp in args.cp.split(",") for d in dispatches]
     print(f"model {args.model}, prompt {args.tokens} tokens; medians of {args.iters} in this run")
     print(

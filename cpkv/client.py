@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from cpkv.actors.pool import LaneOptions, Pool
+from cpkv.actors.step_graph import GraphUnavailable, StepGraph
 from cpkv.actors.wire import PACKED_CALLS, pack, unpack
 from cpkv.coordinator.channel import LaneDeadError, StepAborted
 from cpkv.core.allocator import ExtendAllocation
@@ -99,6 +100,7 @@ def connect(
     lane_hang_s: float | None = None,
     call_retries: int = 1,
     compiled_steps: bool = False,
+    step_graph: bool = True,
 ) -> CPKVClient:
     """Start or attach to Ray, get or create the named coordinator and its lanes.
 
@@ -152,6 +154,9 @@ def connect(
             Graph instead of an actor call per lane: a step's fixed cost drops by Ray's
             per-call scheduling (``benchmarks/bench_steps.py --dispatch``); the lanes'
             answers then come back through the coordinator.
+        step_graph: with ``compiled_steps``, this client sends its steps to the coordinator
+            through a compiled graph of its own too (when the coordinator has a slot free;
+            otherwise, and whenever the graph cannot take a step, as ordinary calls).
 
     Returns:
         A :class:`CPKVClient`.
@@ -211,6 +216,7 @@ def connect(
         namespace=namespace,
         call_retries=call_retries,
         attention_mode=attention_mode,
+        step_graph=step_graph,
     )
 
 
@@ -265,6 +271,8 @@ class CPKVClient:
         call_retries: times a coordinator call that timed out is sent again, with the same
             call id (so it never takes effect twice).
         attention_mode: the steps' attention exchange unless a call names one.
+        step_graph: send steps through a compiled graph to the coordinator when it grants
+            one (a coordinator whose lanes run compiled steps); see :func:`connect`.
 
     Raises:
         InvalidRequestError: a bad ``call_retries`` or ``attention_mode``.
@@ -281,6 +289,7 @@ class CPKVClient:
         namespace: str | None = None,
         call_retries: int = 1,
         attention_mode: str = "auto",
+        step_graph: bool = True,
     ) -> None:
         import ray
 
@@ -339,6 +348,9 @@ class CPKVClient:
             lane_lost=_weakly(self._lane_lost),
         )
         self._lease = _LeaseKeeper(self, lease_s) if lease_s is not None else None
+        self._graph: StepGraph | None = None
+        if step_graph and hello.get("step_graph"):
+            self._graph = StepGraph(coordinator, self.client_id, build_timeout_s=timeout_s)
 
     @property
     def owns_pool(self) -> bool:
@@ -384,24 +396,31 @@ class CPKVClient:
         return self._unwrap(self._take_fence(out) if fenced else out)
 
     def _call(
-        self, method: str, *args, what: str, call_id: Hashable | None = None, fenced=False
+        self,
+        method: str,
+        *args,
+        what: str,
+        call_id: Hashable | None = None,
+        fenced=False,
+        retries: int | None = None,
     ) -> _Call:
         """One coordinator call named by a call id. A call that times out is sent again with
-        the same id (``call_retries`` times): the coordinator answers a repeat with its first
-        answer, so it never takes effect twice.
+        the same id (``retries`` times, default ``call_retries``): the coordinator answers a
+        repeat with its first answer, so it never takes effect twice.
 
         Raises:
             RequestTimeoutError: no answer after the retries; its ``call_id`` retries later.
         """
         call_id = self._call_id(call_id)
-        for attempt in range(self.call_retries + 1):
+        retries = self.call_retries if retries is None else retries
+        for attempt in range(retries + 1):
             call = (self._epoch, self.client_id, call_id, *args)
             packed = method in PACKED_CALLS
             ref = getattr(self._coord, method).remote(*((pack(call),) if packed else call))
             try:
                 return (yield from self._answer(ref, what, fenced, packed))
             except RequestTimeoutError as e:
-                if attempt == self.call_retries:
+                if attempt == retries:
                     raise _retryable(e, call_id) from None
                 logger.info("%s timed out; sending it again as call %r", what, call_id)
         raise AssertionError("unreachable")
@@ -922,11 +941,29 @@ class CPKVClient:
         ``deadline_s``); its answer: the allocations and the lanes' result handles."""
 
         def once():
-            return self._run(self._call(method, *args, what=method, call_id=call_id))
+            return self._run(self._step_call(method, *args, call_id=call_id))
 
         if deadline_s is None:
             return once()
         return _with_backoff(once, deadline_s=deadline_s)
+
+    def _step_call(self, method: str, *args, call_id: Hashable) -> _Call:
+        """A step through the client's step graph when it takes it, else (or for the retries
+        after its timeout) as an ordinary call with the same call id."""
+        retries = self.call_retries
+        if self._graph is not None:
+            call = (method, self._epoch, self.client_id, call_id, *args)
+            try:
+                return self._unwrap(self._graph.run(call, self.timeout_s))
+            except GraphUnavailable:
+                pass
+            except TimeoutError:
+                e = RequestTimeoutError(f"{method}: no answer within {self.timeout_s}s")
+                if retries == 0:
+                    raise _retryable(e, call_id) from None
+                logger.info("%s timed out; sending it again as call %r", method, call_id)
+                retries -= 1
+        return (yield from self._call(method, *args, what=method, call_id=call_id, retries=retries))
 
     def _step_results(
         self, out: dict, what: str, rids: list, call_id: Hashable = None
@@ -1060,6 +1097,8 @@ class CPKVClient:
         """
         if self._lease is not None:
             self._lease.stop()
+        if self._graph is not None:  # before the pool or our lease goes: see StepGraph
+            self._graph.close(timeout_s=self.timeout_s)
         if self.owns_pool:
             self.stop_pool()
         elif self.lease_s is not None:

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
+from cpkv.actors.graphs import compile_unowned, teardown_quietly
 from cpkv.coordinator.channel import LaneDeadError, StepAborted
 from cpkv.core.steps import LaneReply, StepPacket
 
@@ -123,7 +124,7 @@ class CompiledSteps:
         t0 = time.perf_counter()
         with InputNode() as packet:
             out = MultiOutputNode([lane.compiled_step.bind(packet) for lane in self._lanes])
-        self._graph = out.experimental_compile()
+        self._graph = compile_unowned(out)
         # The first run waits for every lane's loop to start: done here, not in a step.
         ray.get(
             self._graph.execute(StepPacket(None, epoch=self._epoch)), timeout=self._build_timeout_s
@@ -135,11 +136,7 @@ class CompiledSteps:
 
     def _teardown(self) -> None:
         graph, self._graph = self._graph, None
-        if graph is not None:
-            try:
-                graph.teardown()
-            except Exception as e:  # a dead lane's loop is gone already
-                logger.debug("compiled steps: teardown: %s", e)
+        teardown_quietly(graph)
 
     def _lane_of(self, error: BaseException) -> int | None:
         """The rank of the lane whose death ``error`` reports, when it says."""

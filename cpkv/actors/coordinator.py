@@ -9,6 +9,7 @@ every call. Pool gauges go to Ray's metrics (Prometheus on a cluster).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import ray
 
@@ -18,6 +19,7 @@ from cpkv.actors.transport import CompiledRayLaneTransport, RayLaneTransport
 from cpkv.actors.wire import pack, unpack
 from cpkv.coordinator.coordinator import Coordinator
 from cpkv.core.config import CPConfig, KVShape
+from cpkv.errors import InvalidRequestError
 
 __all__ = ["CoordinatorActor"]
 
@@ -51,6 +53,14 @@ class _Metrics:
             self._last[name] = stats[name]
 
 
+# Clients that may send their steps through a compiled graph of their own at once: each
+# graph's loop holds one thread of the ``_ray_system`` group while it lives (the group has
+# one more: a client whose lease lapsed while it lived may still run its graph there).
+_STEP_GRAPHS = 4
+# The steps a client's graph may run (see run_step).
+_GRAPH_STEPS = frozenset({"prefill", "prefill_batch", "decode"})
+
+
 # NOTE: threaded, so stats() and check() answer while another call waits on a lane;
 # every method takes the coordinator's lock for its state. Leases and status have
 # concurrency groups of their own: a renewal or stats() never waits for a free thread
@@ -60,7 +70,7 @@ class _Metrics:
     max_restarts=2,
     max_task_retries=0,
     max_concurrency=16,
-    concurrency_groups={"lease": 2, "status": 2},
+    concurrency_groups={"lease": 2, "status": 2, "_ray_system": _STEP_GRAPHS + 1},
 )
 class CoordinatorActor:
     """Delegates to :class:`cpkv.coordinator.coordinator.Coordinator`.
@@ -104,6 +114,10 @@ class CoordinatorActor:
             lane_hang_s=lane_hang_s,
             vocab_size=vocab_size,
             liveness=ProcessLiveness(),
+            # A client's graph runs its steps here only when the lanes' answers come back as
+            # values (compiled lanes): an ordinary lane call's answer is an object ref, which
+            # a graph's channel cannot lend on.
+            step_graphs=_STEP_GRAPHS if compiled_steps else 0,
         )
         if self._steps is not None:
             self._steps.start(self._c.epoch)
@@ -145,6 +159,30 @@ class CoordinatorActor:
 
     def decode(self, *args):
         return self._c.decode(*args)
+
+    def run_step(self, call: tuple) -> Any:
+        """A step sent through a client's compiled graph: ``(method, *args)`` of
+        :meth:`prefill`, :meth:`prefill_batch` or :meth:`decode` (``("ping",)``: a graph's
+        first run). Its answer as theirs, and any error as a value: a raised one would reach
+        the client as Ray's, not as the error the ordinary call gives."""
+        method, *args = call
+        if method == "ping":
+            return None
+        if method not in _GRAPH_STEPS:
+            return InvalidRequestError(f"run_step: {method!r} is not a step")
+        try:
+            return getattr(self._c, method)(*args)
+        except Exception as e:
+            logger.exception("run_step %s failed", method)
+            return e
+
+    @ray.method(concurrency_group="lease")
+    def claim_step_graph(self, client_id: str) -> bool:
+        return self._c.claim_step_graph(client_id)
+
+    @ray.method(concurrency_group="lease")
+    def release_step_graph(self, client_id: str) -> bool:
+        return self._c.release_step_graph(client_id)
 
     @ray.method(concurrency_group="lease")
     def renew_lease(self, client_id: str) -> bool:

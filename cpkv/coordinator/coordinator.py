@@ -38,6 +38,7 @@ from cpkv.coordinator.channel import LaneChannel, LaneTransport
 from cpkv.coordinator.supervisor import DEAD, RESTARTING, UP, LaneSupervisor
 from cpkv.core.allocator import CPAllocator, ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
+from cpkv.core.graph_slots import GraphSlots
 from cpkv.core.leases import LeaseTable
 from cpkv.core.page_hash import TokenDigest
 from cpkv.core.reply_cache import DROPPED, ReplyCache
@@ -114,6 +115,8 @@ class Coordinator:
         heartbeat_s: seconds between heartbeats and lease checks (0: none; call
             :meth:`heartbeat_once` and :meth:`expire_leases` yourself).
         lane_restart_timeout_s: how long a lost lane may take to come back.
+        step_graphs: how many clients may send their steps through a compiled graph of
+            their own (see :class:`cpkv.core.graph_slots.GraphSlots`).
         clock: monotonic seconds (tests step it).
     """
 
@@ -128,6 +131,7 @@ class Coordinator:
         lane_hang_s: float | None = None,
         vocab_size: int | None = None,
         liveness: Callable[[dict], bool | None] | None = None,
+        step_graphs: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -151,6 +155,7 @@ class Coordinator:
             kill=getattr(transport, "kill", None),
         )
         self._leases = LeaseTable()
+        self._graph_slots = GraphSlots(step_graphs)
         # client id -> namespace; namespace -> the id the lanes know it by.
         self._namespaces: dict[str, str] = {}
         self._namespace_ids: dict[str, int] = {}
@@ -185,7 +190,8 @@ class Coordinator:
         Returns:
             ``epoch``, ``config``, ``kv``, ``vocab_size``, ``namespace_id`` (the id the
             lanes check the client's reads and writes against) and, for a client,
-            ``page_hash_key`` (it sends :class:`TokenDigest` s hashed with it).
+            ``page_hash_key`` (it sends :class:`TokenDigest` s hashed with it), and
+            ``step_graph``: whether a client may claim a compiled graph for its steps.
         """
         ns_id = _NO_NAMESPACE_ID
         if client_id is not None:
@@ -203,6 +209,7 @@ class Coordinator:
             "namespace_id": ns_id,
             "page_hash_key": None if client_id is None else self._hash_key,
             "move_flush_s": self._channel.flush_after_s,
+            "step_graph": self._graph_slots.num_slots > 0,
         }
 
     def reset(self) -> None:
@@ -681,8 +688,18 @@ class Coordinator:
         """
         return self._leases.renew(client_id, self._clock())
 
+    def claim_step_graph(self, client_id: str) -> bool:
+        """May ``client_id`` run its steps through a compiled graph of its own? (It keeps a
+        slot until :meth:`release_step_graph`, or loses it with its lease.)"""
+        return self._graph_slots.claim(client_id)
+
+    def release_step_graph(self, client_id: str) -> bool:
+        """``client_id`` tore its step graph down: its slot is free again."""
+        return self._graph_slots.release(client_id)
+
     def close_lease(self, client_id: str) -> int:
         """End a client's lease and free the requests it still holds; returns how many."""
+        self._graph_slots.abandon(client_id)  # still held: its graph was not torn down
         with self._lock:
             rids = self._leases.close(client_id)
             self._free_quietly(rids)
@@ -711,6 +728,7 @@ class Coordinator:
             lapsed = self._leases.expire(now, only=set(due) - alive)
             freed = 0
             for client_id, rids in lapsed.items():
+                self._graph_slots.abandon(client_id)
                 logger.warning(
                     "client %s stopped renewing its lease: freeing its %d requests",
                     client_id,
@@ -766,6 +784,8 @@ class Coordinator:
             out["failed_steps"] = self.num_failed_steps
             out["steps_in_flight"] = len(self._inflight)
             out["hung_lanes"] = self._supervisor.num_hung
+            out["step_graphs"] = self._graph_slots.num_held
+            out["step_graphs_lost"] = self._graph_slots.num_lost
             return out
 
     def check(self) -> dict:

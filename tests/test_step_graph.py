@@ -1,0 +1,249 @@
+"""A client's steps through a compiled graph to the coordinator (``cpkv.actors.StepGraph``).
+
+Without Ray: the coordinator's graph slots (granted, given back, lost with a lease that
+closed or lapsed holding one). Through Ray: steps go through the graph and answer as
+ordinary calls do; a client refused a slot sends them as ordinary calls; a step that times
+out in the graph is retried by its call id; a restarted coordinator gets a new graph; and a
+client process that exits, cleanly or not, never takes the coordinator with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cpkv.core.graph_slots import GraphSlots
+from tests.test_compiled_steps import wait_for
+from tests.test_reliability import Clock, make, ok
+
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+# ---------------------------------------------------------------------- slots
+def test_slots_are_granted_once_per_client_up_to_the_limit():
+    slots = GraphSlots(2)
+    assert slots.claim("a") and slots.claim("a")  # a holder is granted again
+    assert slots.claim("b")
+    assert not slots.claim("c")
+    assert slots.release("a") and not slots.release("a")
+    assert slots.claim("c")
+    assert (slots.num_held, slots.num_free, slots.num_lost) == (2, 0, 0)
+
+
+def test_a_slot_abandoned_by_its_holder_is_lost_for_good():
+    slots = GraphSlots(2)
+    slots.claim("a")
+    slots.claim("b")
+    assert slots.abandon("a") and not slots.abandon("a")
+    assert (slots.num_held, slots.num_free, slots.num_lost) == (1, 0, 1)
+    assert not slots.claim("c")  # the dead graph's thread is never free again
+    assert slots.release("b") and slots.claim("c")
+    with pytest.raises(ValueError, match="num_slots=-1"):
+        GraphSlots(-1)
+
+
+def test_a_lease_closed_or_lapsed_holding_a_slot_loses_it_and_a_released_one_does_not():
+    clock = Clock()
+    coord, _ = make(clock, step_graphs=3)
+    assert coord.hello("a", 1.0)["step_graph"]
+    for client in ("a", "b", "c"):
+        coord.hello(client, 1.0)
+        assert coord.claim_step_graph(client)
+    assert not coord.claim_step_graph("d")
+    assert coord.release_step_graph("a")
+    coord.close_lease("a")  # given back first: a clean shutdown
+    coord.close_lease("b")  # still held: its graph was never torn down
+    coord.renew_lease("a")
+    clock.now += 2.0
+    assert coord.expire_leases() == 0  # "c" lapses (it held no requests)
+    stats = coord.stats()
+    assert (stats["step_graphs"], stats["step_graphs_lost"]) == (0, 2)
+    assert coord.claim_step_graph("d") and not coord.claim_step_graph("e")
+    ok(coord.allocate_extend(coord.epoch, "d", None, "r", np.arange(1, 9)))  # no other change
+
+
+def test_a_coordinator_without_slots_grants_none():
+    coord, _ = make()
+    assert not coord.hello("a", 1.0)["step_graph"]
+    assert not coord.claim_step_graph("a")
+
+
+# ------------------------------------------------------------------ through Ray
+@pytest.mark.ray
+def test_steps_go_through_the_graph_and_answer_as_ordinary_calls(make_client):
+    from tests.test_lane_attention import close, qkv, reference
+
+    c = make_client(cp_size=2, num_pages_per_lane=48, compiled_steps=True)
+    graph = c._graph
+    assert graph is not None
+    steps_before = graph.num_steps
+    prompt = np.arange(45) % 200
+    res = c.prefill("a", prompt, probe=qkv(prompt))
+    close(res.attention, reference(prompt, 0))
+    out = c.decode(["a"], [7], probe=qkv(np.array([7]), len(prompt)))
+    close(out, reference(np.concatenate([prompt, [7]]), len(prompt)))
+    import torch
+
+    items = [("b", prompt[:20]), ("c", prompt[:9])]
+    probes = [qkv(toks) for _, toks in items]
+    batch = c.prefill_batch(items, probe=tuple(torch.cat([p[i] for p in probes]) for i in range(3)))
+    for (_, toks), res in zip(items, batch, strict=True):
+        close(res.attention, reference(toks, 0))
+    assert graph.num_steps == steps_before + 3
+    assert c.stats()["step_graphs"] >= 1
+    # A call id is one call whichever road it takes: the repeat answers the first answer.
+    first = c.prefill("d", prompt[:5], probe=qkv(prompt[:5]), call_id="once")
+    again = c.prefill("d", prompt[:5], probe=qkv(prompt[:5]), call_id="once")
+    assert again.allocation.seq == first.allocation.seq
+    assert np.array_equal(again.allocation.out_cache_loc, first.allocation.out_cache_loc)
+    # Errors come back as the ordinary call raises them.
+    from cpkv.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="call_id='once'"):
+        c.decode(["d"], [1], probe=qkv(np.array([1]), 5), call_id="once")
+    assert c.check()["ok"], c.check()
+
+
+@pytest.mark.ray
+def test_a_client_refused_a_slot_sends_its_steps_as_ordinary_calls(make_client):
+    import ray
+
+    from tests.test_lane_attention import close, qkv, reference
+
+    c = make_client(fresh=True, cp_size=1, num_pages_per_lane=48, compiled_steps=True)
+    prompt = np.arange(21) % 200
+    c.prefill("warm", prompt, probe=qkv(prompt))  # this client's graph takes a slot
+    for i in range(8):  # others take the rest
+        ray.get(c._coord.claim_step_graph.remote(f"other-{i}"))
+    d = make_client(fresh=False, name=c.name, cp_size=1, num_pages_per_lane=48)
+    res = d.prefill("a", prompt, probe=qkv(prompt))
+    close(res.attention, reference(prompt, 0))
+    assert d._graph is not None and d._graph.num_steps == 0 and d._graph.num_fallbacks >= 1
+    for i in range(8):
+        ray.get(c._coord.release_step_graph.remote(f"other-{i}"))
+    d._graph._retry_at = 0.0  # the test does not wait out the retry delay
+    d.prefill("b", prompt, probe=qkv(prompt))
+    assert d._graph.num_steps == 1
+
+
+@pytest.mark.ray
+def test_a_step_that_times_out_in_the_graph_is_answered_by_its_call_id(make_client):
+    from cpkv.errors import RequestTimeoutError
+    from tests.test_lane_attention import close, qkv, reference
+
+    c = make_client(fresh=True, cp_size=1, num_pages_per_lane=48, compiled_steps=True)
+    prompt = np.arange(21) % 200
+    c.prefill("warm", prompt, probe=qkv(prompt))
+    c.timeout_s, c.call_retries = 2.0, 0
+    pid = c.lane_info()[0]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RequestTimeoutError) as info:
+            c.prefill("a", prompt, probe=qkv(prompt))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    call_id = info.value.call_id
+    assert call_id is not None
+    c.timeout_s = 60.0
+    res = c.prefill("a", prompt, probe=qkv(prompt), call_id=call_id)
+    close(res.attention, reference(prompt, 0))
+    # The abandoned graph is torn down in the background; a later step builds a new one.
+    builds = c._graph.num_builds
+
+    def rebuilt():
+        c.prefill("b", prompt, probe=qkv(prompt))
+        c.free("b")
+        return c._graph.num_builds > builds
+
+    wait_for(rebuilt, timeout=60)
+    assert c.stats()["num_requests"] == 2 and c.check()["ok"]
+
+
+@pytest.mark.ray
+def test_a_restarted_coordinator_gets_the_clients_graph_again(make_client):
+    import ray
+
+    from cpkv.errors import CoordinatorUnavailableError
+    from tests.test_lane_attention import qkv
+
+    c = make_client(fresh=True, cp_size=1, num_pages_per_lane=48, compiled_steps=True)
+    prompt = np.arange(21) % 200
+    c.prefill("a", prompt, probe=qkv(prompt))
+    epoch = c.stats()["epoch"]
+    assert c._graph.num_builds == 1
+    ray.kill(c._coord, no_restart=False)
+    with pytest.raises(CoordinatorUnavailableError):
+        c.prefill("b", prompt, probe=qkv(prompt))
+    n = iter(range(1000))
+
+    def through_the_graph() -> bool:
+        c._graph._retry_at = 0.0  # the test does not wait out the retry delay
+        before = c._graph.num_steps
+        c.prefill(f"r{next(n)}", prompt, probe=qkv(prompt))
+        return c._graph.num_steps > before
+
+    wait_for(through_the_graph)
+    stats = c.stats()
+    assert stats["epoch"] != epoch and stats["step_graphs"] == 1
+    assert c._graph.num_builds == 2
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np
+    import cpkv
+    from tests.test_lane_attention import qkv
+
+    address, name, opts, how = sys.argv[1:]
+    c = cpkv.connect(address, name=name, lease_s=1.0, **json.loads(opts))
+    prompt = np.arange(9)
+    c.prefill("x", prompt, probe=qkv(prompt))
+    assert c._graph.num_steps == 1
+    if how == "crash":
+        os._exit(0)
+    # "exit": leave without shutdown(); the interpreter's exit runs Ray's shutdown
+    """
+)
+
+
+@pytest.mark.ray
+def test_a_client_process_that_exits_never_takes_the_coordinator_with_it(make_client):
+    """Ray's shutdown would kill every actor of a graph the process still holds; the
+    client's graph is torn down first (a clean exit gives its slot back) or, if the process
+    dies, its slot is lost when its lease lapses and the coordinator goes on."""
+    import ray
+
+    from tests.conftest import DEFAULTS
+
+    opts = {**DEFAULTS, "cp_size": 1, "num_pages_per_lane": 48}
+    c = make_client(fresh=True, compiled_steps=True, **opts)
+    del opts["heartbeat_s"], opts["num_gpus_per_lane"]
+    epoch = c.stats()["epoch"]
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    for how in ("exit", "crash"):
+        subprocess.run(
+            [sys.executable, "-c", _CHILD, address, c.name, json.dumps(opts), how],
+            check=True,
+            env=env,
+            timeout=180,
+            cwd=ROOT,
+        )
+        stats = c.stats()
+        assert stats["epoch"] == epoch and stats["dead_lanes"] == []
+    assert c.stats()["step_graphs_lost"] == 0  # the clean exit gave its slot back
+    wait_for(lambda: c.stats()["step_graphs_lost"] == 1, timeout=60)  # the crash's lease
+    from tests.test_lane_attention import close, qkv, reference
+
+    prompt = np.arange(13) % 200
+    close(c.prefill("after", prompt, probe=qkv(prompt)).attention, reference(prompt, 0))
+    assert c._graph.num_steps >= 1
