@@ -954,7 +954,7 @@ class CPKVClient:
         if self._graph is not None:
             call = (method, self._epoch, self.client_id, call_id, *args)
             try:
-                return self._unwrap(self._graph.run(call, self.timeout_s))
+                out = self._graph.run(call, self.timeout_s)
             except GraphUnavailable:
                 pass
             except TimeoutError:
@@ -963,6 +963,8 @@ class CPKVClient:
                     raise _retryable(e, call_id) from None
                 logger.info("%s timed out; sending it again as call %r", method, call_id)
                 retries -= 1
+            else:  # NOTE: outside the try: an answer may be a RequestTimeoutError (a TimeoutError)
+                return self._unwrap(out)
         return (yield from self._call(method, *args, what=method, call_id=call_id, retries=retries))
 
     def _step_results(

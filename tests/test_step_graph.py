@@ -113,6 +113,23 @@ def test_steps_go_through_the_graph_and_answer_as_ordinary_calls(make_client):
 
 
 @pytest.mark.ray
+def test_a_timeout_answered_by_the_coordinator_is_raised_not_sent_again(make_client, monkeypatch):
+    """The coordinator answers a step whose lanes stayed silent with a RequestTimeoutError
+    value: the client raises it (a TimeoutError, unlike the graph's own timeout, which sends
+    the step again as an ordinary call)."""
+    from cpkv.errors import RequestTimeoutError
+    from tests.test_lane_attention import qkv
+
+    c = make_client(cp_size=2, num_pages_per_lane=48, compiled_steps=True)
+    answer = RequestTimeoutError("prefill: lanes silent for 60s", "the-call")
+    monkeypatch.setattr(c._graph, "run", lambda call, timeout_s: answer)
+    with pytest.raises(RequestTimeoutError, match="lanes silent") as info:
+        c.prefill("a", np.arange(5), probe=qkv(np.arange(5)))
+    assert info.value.call_id == "the-call"
+    assert c.stats()["num_requests"] == 0  # never sent as an ordinary call
+
+
+@pytest.mark.ray
 def test_a_client_refused_a_slot_sends_its_steps_as_ordinary_calls(make_client):
     import ray
 
