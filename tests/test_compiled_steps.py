@@ -206,7 +206,7 @@ def test_a_compiled_pool_answers_as_an_ordinary_one(make_client):
         out = c.decode(["a"], [int(tok)], probe=qkv(more[i : i + 1], len(prompt) + i))
         close(out, reference(seq[: len(prompt) + i + 1], len(prompt) + i))
     stats = c.stats()
-    assert stats["compiled_graph_builds"] == 1
+    assert stats["compiled_graph_builds"] >= 1 and stats["compiled_graph_breaks"] == 0
     assert stats["moves_in_step_calls"] >= 2
     assert c.check()["ok"], c.check()
     del torch
@@ -241,7 +241,8 @@ def test_a_compiled_graph_is_rebuilt_after_a_lane_dies(make_client):
     wait_for(lambda: c.stats()["lane_states"] == ["up"] * 2)
     res = c.prefill("b", prompt, probe=qkv(prompt))
     close(res.attention, reference(prompt, 0))
-    assert c.stats()["compiled_graph_builds"] == 2
+    stats = c.stats()
+    assert stats["compiled_graph_breaks"] == 1 and stats["compiled_graph_builds"] >= 2
     assert c.check()["ok"]
 
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -264,3 +265,51 @@ def test_a_client_process_that_exits_never_takes_the_coordinator_with_it(make_cl
     prompt = np.arange(13) % 200
     close(c.prefill("after", prompt, probe=qkv(prompt)).attention, reference(prompt, 0))
     assert c._graph.num_steps >= 1
+
+
+def _cpu_share(pids: list[int], seconds: float) -> float:
+    """Cores the processes ``pids`` used together over ``seconds`` (from /proc)."""
+
+    def used() -> float:
+        total = 0
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
+
+    start = used()
+    time.sleep(seconds)
+    return (used() - start) / seconds
+
+
+@pytest.mark.ray
+def test_idle_graphs_are_torn_down_so_their_loops_stop_spinning_and_come_back(make_client):
+    """A graph's loop polls for its next input; after IDLE_TEARDOWN_S without a step the
+    lanes' graph and the client's are torn down, and the next step builds both again."""
+    import ray
+
+    from tests.test_lane_attention import close, qkv, reference
+
+    c = make_client(fresh=True, cp_size=1, num_pages_per_lane=48, compiled_steps=True)
+    prompt = np.arange(21) % 200
+    c.prefill("a", prompt, probe=qkv(prompt))
+    pids = [
+        ray.get(c._coord.__ray_call__.remote(lambda actor: os.getpid())),
+        c.lane_info()[0]["pid"],
+    ]
+    busy = _cpu_share(pids, 1.0)
+    wait_for(
+        lambda: c._graph.num_idle_teardowns == 1 and c.stats()["compiled_graph_idle_teardowns"],
+        timeout=60,
+    )
+    idle = _cpu_share(pids, 2.0)
+    assert idle < 0.25, (busy, idle)  # cores, coordinator and lane together
+    builds = (c._graph.num_builds, c.stats()["compiled_graph_builds"])
+    res = c.prefill("b", prompt, probe=qkv(prompt))
+    close(res.attention, reference(prompt, 0))
+    assert (c._graph.num_builds, c.stats()["compiled_graph_builds"]) == (
+        builds[0] + 1,
+        builds[1] + 1,
+    )
+    assert c._graph.num_steps == 2 and c.stats()["step_graphs"] == 1  # its slot was kept

@@ -7,8 +7,14 @@ against 2.4 ms as ordinary calls). Only the process that runs a graph reads its 
 the lanes' answers come back through the coordinator as values (:class:`LaneReply`).
 
 One thread owns the graph: it builds it (again after a lane died, which ends a graph's
-run), runs the steps in the order they were queued and reads each one's answers; nothing
-else touches the graph.
+run, or after it was idle), runs the steps in the order they were queued and reads each
+one's answers; nothing else touches the graph.
+
+NOTE: a graph's reader waits for its next input by polling (Ray 2.60's channel read spins
+on ``sched_yield``): measured on the 2-core machine, an idle lane's graph loop used 97% of a
+core. So a graph no step used for :data:`IDLE_TEARDOWN_S` is torn down, and the next step
+builds it again (under a second once the lanes have run a graph before); a pool that steps
+steadily keeps its graph.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from concurrent.futures import Future
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
-from cpkv.actors.graphs import compile_unowned, teardown_quietly
+from cpkv.actors.graphs import IDLE_TEARDOWN_S, compile_unowned, teardown_quietly
 from cpkv.coordinator.channel import LaneDeadError, StepAborted
 from cpkv.core.steps import LaneReply, StepPacket
 
@@ -45,14 +51,19 @@ class CompiledSteps:
             ~5 s on the 2-core machine the first time, under 1 s after).
     """
 
-    def __init__(self, lanes: list, build_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, lanes: list, build_timeout_s: float = 120.0, idle_s: float = IDLE_TEARDOWN_S
+    ) -> None:
         self._lanes = list(lanes)
         self._epoch = ""
         self._build_timeout_s = build_timeout_s
+        self._idle_s = idle_s
         self._graph = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.num_builds = 0
         self.num_runs = 0
+        self.num_breaks = 0  # runs the graph could not answer (a lane died, a build failed)
+        self.num_idle_teardowns = 0
         self._thread = threading.Thread(target=self._loop, daemon=True, name="cpkv-graph")
         self._thread.start()
 
@@ -77,7 +88,13 @@ class CompiledSteps:
     # ------------------------------------------------------------ graph thread
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self._idle_s if self._graph is not None else None)
+            except queue.Empty:  # idle: stop the lanes' loops spinning until the next step
+                self._teardown()
+                self.num_idle_teardowns += 1
+                logger.info("compiled steps: idle for %.0fs; graph torn down", self._idle_s)
+                continue
             if item is _STOP:
                 self._teardown()
                 return
@@ -101,6 +118,7 @@ class CompiledSteps:
             replies = copy.deepcopy(ray.get(self._graph.execute(packet)))
         except Exception as e:  # the graph broke (a lane died) or could not be built
             logger.warning("compiled steps: %s: %s; rebuilt at the next step", type(e).__name__, e)
+            self.num_breaks += 1
             self._teardown()
             dead = self._lane_of(e)
             detail = f"{type(e).__name__}: {str(e)[:300]}"

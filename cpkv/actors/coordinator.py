@@ -201,6 +201,8 @@ class CoordinatorActor:
         out = self._c.stats()
         if self._steps is not None:
             out["compiled_graph_builds"] = self._steps.num_builds
+            out["compiled_graph_breaks"] = self._steps.num_breaks
+            out["compiled_graph_idle_teardowns"] = self._steps.num_idle_teardowns
         self._metrics.update(out)
         return out
 

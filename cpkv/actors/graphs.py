@@ -14,9 +14,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["compile_unowned", "teardown_quietly"]
+__all__ = ["IDLE_TEARDOWN_S", "compile_unowned", "teardown_quietly"]
 
 logger = logging.getLogger("cpkv.actors.graphs")
+
+# Seconds without a step before cpkv tears a graph down. A graph's reader waits for its next
+# input by polling (Ray 2.60's channel read spins on sched_yield): measured idle on the
+# 2-core machine, a lane's graph loop and the coordinator's loop of a client's graph each
+# used 97% of a core. A rebuild costs the next step 0.15-0.5 s (a client's graph, 2-core
+# machine), so a job that steps steadily keeps its graphs and an idle pool stops spinning.
+IDLE_TEARDOWN_S = 10.0
 
 
 def compile_unowned(node: Any, **options: Any) -> Any:
