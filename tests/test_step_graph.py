@@ -313,3 +313,19 @@ def test_idle_graphs_are_torn_down_so_their_loops_stop_spinning_and_come_back(ma
         builds[1] + 1,
     )
     assert c._graph.num_steps == 2 and c.stats()["step_graphs"] == 1  # its slot was kept
+
+
+@pytest.mark.ray
+def test_a_dropped_client_gives_its_slot_back(make_client):
+    import gc
+
+    from tests.test_lane_attention import qkv
+
+    c = make_client(fresh=True, cp_size=1, num_pages_per_lane=48, compiled_steps=True)
+    d = make_client(name=c.name, cp_size=1, num_pages_per_lane=48)
+    d.prefill("a", np.arange(5), probe=qkv(np.arange(5)))
+    assert c.stats()["step_graphs"] == 1
+    d._graph = None  # the client's other parts stay with the fixture, which shuts it down
+    gc.collect()
+    wait_for(lambda: c.stats()["step_graphs"] == 0, timeout=30)
+    assert c.stats()["step_graphs_lost"] == 0

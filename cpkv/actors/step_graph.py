@@ -25,6 +25,7 @@ next step builds it again (0.15-0.5 s on the 2-core machine).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import logging
 import threading
@@ -158,6 +159,17 @@ class StepGraph:
             return self.idle_s
         finally:
             self._lock.release()
+
+    def __del__(self) -> None:
+        # A client dropped without shutdown(): tear down and give the slot back without
+        # waiting for an answer (a collector's thread must not block on Ray).
+        if self._closed:
+            return
+        graph, self._graph = self._graph, None
+        teardown_quietly(graph)
+        if self._claimed:
+            with contextlib.suppress(Exception):  # Ray is gone already
+                self._coord.release_step_graph.remote(self._client_id)
 
     # ------------------------------------------------------------- internals
     def _ready(self) -> Any:
