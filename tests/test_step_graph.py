@@ -247,7 +247,8 @@ def test_a_client_process_that_exits_never_takes_the_coordinator_with_it(make_cl
     del opts["heartbeat_s"], opts["num_gpus_per_lane"]
     epoch = c.stats()["epoch"]
     address = ray.get_runtime_context().gcs_address
-    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     for how in ("exit", "crash"):
         subprocess.run(
             [sys.executable, "-c", _CHILD, address, c.name, json.dumps(opts), how],
