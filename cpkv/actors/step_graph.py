@@ -97,8 +97,14 @@ class StepGraph:
             TimeoutError: no answer within ``timeout_s`` (the step may have run; the graph
                 is abandoned).
         """
-        if not self._lock.acquire(blocking=False):
+        try:
+            return self._run(call, timeout_s)
+        except GraphUnavailable:
             self.num_fallbacks += 1
+            raise
+
+    def _run(self, call: tuple, timeout_s: float) -> Any:
+        if not self._lock.acquire(blocking=False):
             raise GraphUnavailable("another step is in the graph")
         try:
             graph = self._ready()
@@ -109,7 +115,6 @@ class StepGraph:
                 # Ray's channel and get timeouts are TimeoutErrors.
                 if isinstance(e, TimeoutError):
                     raise TimeoutError(f"no answer through the step graph in {timeout_s}s") from e
-                self.num_fallbacks += 1
                 raise GraphUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from e
             self.num_steps += 1
             self._last_step = time.monotonic()
@@ -149,9 +154,11 @@ class StepGraph:
         if not self._lock.acquire(blocking=False):  # a step is in it
             return self.idle_s
         try:
+            if self._graph is None:
+                return self.idle_s
             left = self._last_step + self.idle_s - time.monotonic()
-            if self._graph is None or left > 0:
-                return max(left, 0.05) if self._graph is not None else self.idle_s
+            if left > 0:
+                return left
             graph, self._graph = self._graph, None
             teardown_quietly(graph)
             self.num_idle_teardowns += 1
@@ -180,17 +187,14 @@ class StepGraph:
             raise GraphUnavailable("closed")
         if self._teardown_thread is not None:
             if self._teardown_thread.is_alive():
-                self.num_fallbacks += 1
                 raise GraphUnavailable("the last graph is still being torn down")
             self._teardown_thread = None
         if time.monotonic() < self._retry_at:
-            self.num_fallbacks += 1
             raise GraphUnavailable("waiting to try again")
         try:
             self._build()
         except Exception as e:
             self._retry_at = time.monotonic() + _RETRY_S
-            self.num_fallbacks += 1
             if not isinstance(e, GraphUnavailable):
                 logger.warning("step graph: build failed (%s: %s)", type(e).__name__, e)
             raise GraphUnavailable(f"not built: {e}") from e
