@@ -1,0 +1,150 @@
+"""A prefill step's timeline across the client, the coordinator and the lane (cp=1).
+
+Stamps ``time.perf_counter()`` (CLOCK_MONOTONIC: one clock for every process of the
+machine) at each hand-off of a step sent through the client's step graph, inside the
+coordinator and lane processes (``__ray_call__``), and prints the median of each leg:
+
+    client -> coordinator       the client graph's write, the coordinator loop's read
+    decision                    run_step until the step is queued for the lanes' graph
+    thread hop                  queued until the lanes' graph thread takes it
+    coordinator -> lane         the lanes' graph write and the lane loop's read
+    lane before/after _step     compiled_step's own work (packet copy, fence, reply)
+    lane -> coordinator         the lane's write, the coordinator's read and copy
+    hand-back                   the graph thread's answer reaching run_step's return
+    coordinator -> client       run_step's return written, read by the client
+
+Run from the repository root: ``PYTHONPATH=. python docs/gpu-run/step-timeline/timeline_step.py
+[--model tiny] [--iters 60]``.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import numpy as np
+import ray
+
+import cpkv
+from cpkv.models import preset_config
+
+
+def _stamp_all(actor, targets):
+    """Wrap ``actor``'s methods (dotted paths) to record (enter, leave) stamps per key."""
+    import functools
+    import time as _time
+
+    actor._stamps = stamps = {}
+    for path, key in targets:
+        obj = actor
+        *parents, name = path.split(".")
+        for p in parents:
+            obj = getattr(obj, p)
+        f = getattr(obj, name)
+
+        def make(f, key):
+            @functools.wraps(f)
+            def w(*a, **k):
+                t0 = _time.perf_counter()
+                try:
+                    return f(*a, **k)
+                finally:
+                    stamps.setdefault(key, []).append((t0, _time.perf_counter()))
+
+            return w
+
+        setattr(obj, name, make(f, key))
+    return True
+
+
+def _clear(actor):
+    actor._stamps.clear()
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--num-gpus-per-lane", type=float, default=None)
+    args = ap.parse_args()
+    config = preset_config(args.model)
+    c = cpkv.connect(
+        cp_size=1,
+        page_size=64,
+        num_pages_per_lane=256,
+        max_reqs=16,
+        max_context_len=4096,
+        model=config,
+        model_seed=0,
+        dtype=config.dtype,
+        compiled_steps=True,
+        num_gpus_per_lane=args.num_gpus_per_lane,
+    )
+    prompt = np.arange(args.tokens)
+    coord, lane = c._coord, c.lanes[0]
+    ray.get(
+        coord.__ray_call__.remote(
+            _stamp_all,
+            [("run_step", "run_step"), ("_steps.execute", "queued"), ("_steps._run", "graph")],
+        )
+    )
+    ray.get(lane.__ray_call__.remote(_stamp_all, [("compiled_step", "lane"), ("_step", "step")]))
+    graph, client = c._graph, []
+    run = graph.run
+
+    def timed_run(call, timeout_s):
+        t0 = time.perf_counter()
+        try:
+            return run(call, timeout_s)
+        finally:
+            client.append((t0, time.perf_counter()))
+
+    graph.run = timed_run
+    for i in range(5):  # warm-up: builds, first runs
+        c.prefill(f"w{i}", prompt)
+        c.free(f"w{i}", cache=False)
+    client.clear()
+    ray.get([coord.__ray_call__.remote(_clear), lane.__ray_call__.remote(_clear)])
+    for i in range(args.iters):
+        c.prefill(i, prompt)
+        c.free(i, cache=False)
+    co = ray.get(coord.__ray_call__.remote(lambda a: a._stamps))
+    la = ray.get(lane.__ray_call__.remote(lambda a: a._stamps))
+    n = args.iters
+    lengths = {k: len(v) for k, v in {**co, **la, "client": client}.items()}
+    assert all(v == n for v in lengths.values()), lengths
+    legs = {
+        "client -> coordinator": [co["run_step"][i][0] - client[i][0] for i in range(n)],
+        "decision (run_step until queued)": [
+            co["queued"][i][0] - co["run_step"][i][0] for i in range(n)
+        ],
+        "thread hop to the lanes' graph": [
+            co["graph"][i][0] - co["queued"][i][1] for i in range(n)
+        ],
+        "coordinator -> lane": [la["lane"][i][0] - co["graph"][i][0] for i in range(n)],
+        "lane before _step": [la["step"][i][0] - la["lane"][i][0] for i in range(n)],
+        "lane _step (moves + compute)": [la["step"][i][1] - la["step"][i][0] for i in range(n)],
+        "lane after _step": [la["lane"][i][1] - la["step"][i][1] for i in range(n)],
+        "lane -> coordinator (+ copy)": [co["graph"][i][1] - la["lane"][i][1] for i in range(n)],
+        "hand-back to run_step's return": [
+            co["run_step"][i][1] - co["graph"][i][1] for i in range(n)
+        ],
+        "coordinator -> client": [client[i][1] - co["run_step"][i][1] for i in range(n)],
+        "client round (total)": [client[i][1] - client[i][0] for i in range(n)],
+    }
+    print(f"model {args.model}, cp 1, {args.tokens}-token prefill, medians of {n} (ms)")
+    for key, values in legs.items():
+        print(f"{key:<36} {statistics.median(values) * 1e3:8.3f}")
+    over = [
+        legs["client round (total)"][i] - legs["lane _step (moves + compute)"][i] for i in range(n)
+    ]
+    print(f"{'round beyond the lane _step':<36} {statistics.median(over) * 1e3:8.3f}")
+    c.shutdown()
+
+
+if __name__ == "__main__":
+    main()
