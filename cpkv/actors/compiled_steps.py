@@ -19,7 +19,6 @@ steadily keeps its graph.
 
 from __future__ import annotations
 
-import copy
 import logging
 import queue
 import threading
@@ -30,6 +29,7 @@ import ray
 from ray.dag import InputNode, MultiOutputNode
 
 from cpkv.actors.graphs import IDLE_TEARDOWN_S, compile_unowned, teardown_quietly
+from cpkv.actors.wire import pack, unpack
 from cpkv.coordinator.channel import LaneDeadError, StepAborted
 from cpkv.core.steps import LaneReply, StepPacket
 
@@ -112,10 +112,11 @@ class CompiledSteps:
                 self._build()
             # NOTE: no timeout: a compiled result is read once, and a hung lane is the
             # supervisor's to kill, which ends this wait with the lane's death.
-            # NOTE: copied out: arrays read from a channel may stay views of its shared
-            # buffer, which the lanes then cannot write again while an answer is remembered
-            # (seen: the eleventh step hung, with the graph's ten buffers held).
-            replies = copy.deepcopy(ray.get(self._graph.execute(packet)))
+            # NOTE: packed both ways (cpkv.actors.wire): an unpacked reply owns its arrays.
+            # One read from a channel may stay a view of its shared buffer, which the lanes
+            # then cannot write again while an answer is remembered (seen: the eleventh step
+            # hung, with the graph's ten buffers held).
+            replies = [unpack(r) for r in ray.get(self._graph.execute(pack(packet)))]
         except Exception as e:  # the graph broke (a lane died) or could not be built
             logger.warning("compiled steps: %s: %s; rebuilt at the next step", type(e).__name__, e)
             self.num_breaks += 1
@@ -141,11 +142,12 @@ class CompiledSteps:
     def _build(self) -> None:
         t0 = time.perf_counter()
         with InputNode() as packet:
-            out = MultiOutputNode([lane.compiled_step.bind(packet) for lane in self._lanes])
+            out = MultiOutputNode([lane.compiled_step_packed.bind(packet) for lane in self._lanes])
         self._graph = compile_unowned(out)
         # The first run waits for every lane's loop to start: done here, not in a step.
         ray.get(
-            self._graph.execute(StepPacket(None, epoch=self._epoch)), timeout=self._build_timeout_s
+            self._graph.execute(pack(StepPacket(None, epoch=self._epoch))),
+            timeout=self._build_timeout_s,
         )
         self.num_builds += 1
         logger.info(

@@ -160,11 +160,15 @@ class CoordinatorActor:
     def decode(self, *args):
         return self._c.decode(*args)
 
-    def run_step(self, call: tuple) -> Any:
+    def run_step(self, call: bytes) -> bytes:
         """A step sent through a client's compiled graph: ``(method, *args)`` of
         :meth:`prefill`, :meth:`prefill_batch` or :meth:`decode` (``("ping",)``: a graph's
-        first run). Its answer as theirs, and any error as a value: a raised one would reach
-        the client as Ray's, not as the error the ordinary call gives."""
+        first run), packed (:mod:`cpkv.actors.wire`). Its answer as theirs, packed, and any
+        error as a value: a raised one would reach the client as Ray's, not as the error the
+        ordinary call gives."""
+        return pack(self._run_step(unpack(call)))
+
+    def _run_step(self, call: tuple) -> Any:
         method, *args = call
         if method == "ping":
             return None

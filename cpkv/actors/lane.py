@@ -11,7 +11,6 @@ only: the coordinator's process imports this package and must stay without torch
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from cpkv.actors.wire import pack, unpack
 from cpkv.core.config import KVShape
 from cpkv.core.moves import MovesNotApplied
 from cpkv.core.steps import LaneReply, StepPacket, StepRequest, StepResult, superseded
@@ -183,15 +183,21 @@ class _Lane:
         if packet.step is None:  # a warm-up: whose graph this lane serves
             self._graph_epoch = packet.epoch
             return None
-        # NOTE: its arrays may be views of the graph's shared buffer: nothing the lane keeps
-        # may pin it (the coordinator could not send an eleventh step), so copy them out.
-        packet = copy.deepcopy(packet)
+        # NOTE: ``packet`` must own its arrays (see compiled_step_packed): nothing the lane
+        # keeps may pin a graph's shared buffer (the coordinator could not send an eleventh
+        # step).
         try:
             with self._turn:
                 self._wait_for_fence(packet.fences[self._lane], packet.step.group)
                 return LaneReply(self._step(packet.step, packet.moves[self._lane]))
         except BaseException as e:
             return LaneReply(error=e)
+
+    def compiled_step_packed(self, data: bytes) -> bytes:
+        """:meth:`compiled_step` as the lanes' graph runs it: the packet and the answer packed
+        (:mod:`cpkv.actors.wire`; one pickle each way instead of Ray's, and an unpacked
+        packet owns its arrays)."""
+        return pack(self.compiled_step(unpack(data)))
 
     def _applied(self, fence: tuple[str, int]) -> Callable[[], bool]:
         """Whether the shard has applied every move through ``fence``."""

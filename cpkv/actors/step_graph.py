@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import logging
 import threading
 import time
@@ -34,6 +33,7 @@ import weakref
 from typing import Any
 
 from cpkv.actors.graphs import IDLE_TEARDOWN_S, compile_unowned, teardown_quietly
+from cpkv.actors.wire import pack, unpack
 
 __all__ = ["GraphUnavailable", "StepGraph"]
 
@@ -109,7 +109,7 @@ class StepGraph:
         try:
             graph = self._ready()
             try:
-                out = graph.execute(call).get(timeout=timeout_s)
+                out = unpack(graph.execute(pack(call)).get(timeout=timeout_s))
             except Exception as e:
                 self._abandon()
                 # Ray's channel and get timeouts are TimeoutErrors.
@@ -118,9 +118,7 @@ class StepGraph:
                 raise GraphUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from e
             self.num_steps += 1
             self._last_step = time.monotonic()
-            # NOTE: copied out: arrays read from a channel may stay views of its buffer,
-            # which the coordinator then cannot write again while the caller keeps them.
-            return copy.deepcopy(out)
+            return out
         finally:
             self._lock.release()
 
@@ -220,7 +218,7 @@ class StepGraph:
         graph = compile_unowned(node)
         try:
             # The first run waits for the coordinator's loop to start: done here, not in a step.
-            graph.execute(("ping",)).get(timeout=self._build_timeout_s)
+            graph.execute(pack(("ping",))).get(timeout=self._build_timeout_s)
         except BaseException:
             teardown_quietly(graph)
             raise
