@@ -147,6 +147,38 @@ def test_a_compiled_step_whose_fence_never_comes_is_refused(lane):
     assert lane._graph_epoch == "e"  # (info() says it; it would start a Ray here)
 
 
+def test_the_graphs_packets_and_answers_cross_as_one_pickle_each_way(lane):
+    """The lanes' graph runs compiled_step_packed: packed in, packed out; an answer the
+    standard pickler refuses goes through cloudpickle, one nothing pickles says so."""
+    import threading as _threading
+
+    from cpkv.actors.wire import pack, unpack
+    from cpkv.core.steps import StepRequest, StepSequence
+
+    assert unpack(lane.compiled_step_packed(pack(StepPacket(None, epoch="e2")))) is None
+    assert lane._graph_epoch == "e2"
+    step = StepRequest(1, "e:g2", (StepSequence(0, 4, np.array([1]), None, "r"),))
+    lane._worker.group_id = "e:g3"  # a stale step: refused at once, as a value
+    reply = unpack(lane.compiled_step_packed(pack(StepPacket(step, (None,), (("g", 0),), "e"))))
+    assert type(reply.error).__name__ == "LaneGroupError", reply.error
+
+    class Local(Exception):  # defined in a function: only cloudpickle carries it
+        pass
+
+    assert type(unpack(pack(Local("x")))).__name__ == "Local"
+    arrays = unpack(pack({"a": np.arange(3)}))
+    assert arrays["a"].flags.writeable and arrays["a"].tolist() == [0, 1, 2]
+
+    class Unpicklable(Exception):
+        def __init__(self) -> None:
+            super().__init__("holds a lock")
+            self.lock = _threading.Lock()
+
+    lane.compiled_step = lambda packet: LaneReply(error=Unpicklable())
+    reply = unpack(lane.compiled_step_packed(pack(StepPacket(step, (None,), (("g", 0),), "e"))))
+    assert isinstance(reply.error, RuntimeError) and "unpicklable" in str(reply.error)
+
+
 def test_a_compiled_step_waits_for_its_moves_and_its_group(lane):
     from cpkv.core.steps import StepRequest, StepSequence
 

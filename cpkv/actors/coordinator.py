@@ -166,7 +166,12 @@ class CoordinatorActor:
         first run), packed (:mod:`cpkv.actors.wire`). Its answer as theirs, packed, and any
         error as a value: a raised one would reach the client as Ray's, not as the error the
         ordinary call gives."""
-        return pack(self._run_step(unpack(call)))
+        answer = self._run_step(unpack(call))
+        try:
+            return pack(answer)
+        except Exception as e:  # an error value that will not pickle: say so instead
+            logger.exception("run_step: answer unpicklable")
+            return pack(RuntimeError(f"run_step: answer unpicklable: {e}"))
 
     def _run_step(self, call: tuple) -> Any:
         method, *args = call

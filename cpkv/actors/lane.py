@@ -197,7 +197,12 @@ class _Lane:
         """:meth:`compiled_step` as the lanes' graph runs it: the packet and the answer packed
         (:mod:`cpkv.actors.wire`; one pickle each way instead of Ray's, and an unpacked
         packet owns its arrays)."""
-        return pack(self.compiled_step(unpack(data)))
+        reply = self.compiled_step(unpack(data))
+        try:
+            return pack(reply)
+        except Exception as e:  # an error value that will not pickle: say so instead
+            error = RuntimeError(f"lane {self._lane}: answer unpicklable: {e}")
+            return pack(LaneReply(error=error))
 
     def _applied(self, fence: tuple[str, int]) -> Callable[[], bool]:
         """Whether the shard has applied every move through ``fence``."""
