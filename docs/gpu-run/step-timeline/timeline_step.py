@@ -14,10 +14,11 @@ coordinator and lane processes (``__ray_call__``), and prints the median of each
     coordinator -> client       run_step's return written, read by the client
 
 Run from the repository root: ``PYTHONPATH=. python docs/gpu-run/step-timeline/timeline_step.py
-[--model tiny] [--iters 60]``.
+[--model tiny] [--vocab N] [--iters 60]``.
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -70,8 +71,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--num-gpus-per-lane", type=float, default=None)
+    ap.add_argument("--vocab", type=int, default=None, help="the preset's vocabulary replaced")
     args = ap.parse_args()
     config = preset_config(args.model)
+    if args.vocab:  # a big vocabulary's logits on a small model (the 1B's: 128256)
+        config = dataclasses.replace(config, vocab_size=args.vocab)
     c = cpkv.connect(
         cp_size=1,
         page_size=64,
