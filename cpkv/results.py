@@ -14,7 +14,13 @@ import numpy as np
 from cpkv.core.allocator import ExtendAllocation
 from cpkv.core.steps import StepResult
 
-__all__ = ["PrefillResult", "decode_output", "decode_samples", "prefill_results"]
+__all__ = [
+    "PrefillResult",
+    "decode_output",
+    "decode_samples",
+    "prefill_results",
+    "widen_logits",
+]
 
 
 @dataclass(slots=True)
@@ -52,7 +58,7 @@ def prefill_results(
     (in lane order) and the step's allocations (in request order)."""
     logits: dict[int, np.ndarray] = {}
     for res in results:
-        logits.update(res.logits)
+        logits.update({b: widen_logits(row, res.logits_dtype) for b, row in res.logits.items()})
     lane_s = [res.compute_s for res in results]
     wait_s = [res.wait_s for res in results]
     attn_s = [res.attention_s for res in results]
@@ -74,10 +80,32 @@ def decode_output(results: list[StepResult], num_rids: int, probe: bool) -> np.n
     or for a probe step ``[num_rids, Hq, D]`` attention outputs."""
     if probe:
         return _assemble_probe(results, num_rids)
-    rows = {}
+    rows, dtypes = {}, {}
     for res in results:
         rows.update(res.logits)
-    return np.stack([rows[i] for i in range(num_rids)])
+        dtypes.update(dict.fromkeys(res.logits, res.logits_dtype))
+    if len(set(dtypes.values())) == 1:  # one widening of the stacked rows
+        return widen_logits(np.stack([rows[i] for i in range(num_rids)]), dtypes[0])
+    return np.stack([widen_logits(rows[i], dtypes[i]) for i in range(num_rids)])
+
+
+def widen_logits(rows: np.ndarray, dtype: str) -> np.ndarray:
+    """Logits as a lane sent them (:attr:`StepResult.logits_dtype`) made fp32, exactly.
+
+    Args:
+        rows: ``[..., vocab]``: fp32, fp16, or bf16 as its raw ``uint16`` bits.
+        dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+
+    Returns:
+        fp32 ``[..., vocab]`` (``rows`` itself when it is fp32 already).
+    """
+    if dtype == "float32":
+        return rows
+    if dtype == "float16":
+        return rows.astype(np.float32)
+    assert dtype == "bfloat16" and rows.dtype == np.uint16, (dtype, rows.dtype)
+    # A bf16 value is the top half of the fp32 one.
+    return (rows.astype(np.uint32) << 16).view(np.float32)
 
 
 def decode_samples(results: list[StepResult], num_rids: int) -> np.ndarray:

@@ -7,6 +7,8 @@ without; logits, greedy samples and the K/V written must agree.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from cpkv.lanes.decode_graph import BATCH_BUCKETS, DecodeGraphs
 from cpkv.lanes.shard import LaneShard
 from cpkv.lanes.worker import LaneWorker
 from cpkv.models import LlamaModel, ModelConfig
+from cpkv.results import widen_logits
 
 GPU = torch.cuda.is_available()
 DEVICES = [pytest.param("cpu", id="cpu")] + (
@@ -37,10 +40,13 @@ class Lane:
         self.step_id = 0
 
     def step(self, seqs: list[StepSequence], sample: bool = False):
+        """The worker's result, its logits rows widened to fp32 as a client's are."""
         self.step_id += 1
-        return self.worker.step(
+        res = self.worker.step(
             self.shard, StepRequest(self.step_id, "g", tuple(seqs), sample=sample)
         )
+        wide = {b: widen_logits(r, res.logits_dtype) for b, r in res.logits.items()}
+        return dataclasses.replace(res, logits=wide, logits_dtype="float32")
 
 
 def seq(pages: list[int], prefix: int, tokens: list[int]) -> StepSequence:

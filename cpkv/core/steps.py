@@ -187,8 +187,9 @@ class StepResult:
         attention_s: of which in CP attention (its collectives included).
         mode: the attention exchange the step used (``pass_q`` or ``pass_kv``).
         exchange_bytes: bytes this lane sent in the attention exchanges.
-        logits: ``{b: fp32 [vocab] np.ndarray}`` for the sequences ``b`` whose last new token
-            this lane computed (model steps).
+        logits: ``{b: [vocab] np.ndarray}`` for the sequences ``b`` whose last new token
+            this lane computed (model steps), as :attr:`logits_dtype` says
+            (:func:`cpkv.results.widen_logits` makes them fp32).
         out: probe steps: ``fp32 [num_tokens, Hq, D]`` attention outputs of this lane's tokens
             (a CPU ``torch.Tensor``); ``None`` otherwise.
         tokens: probe steps: ``int64 [num_tokens]`` the step indices of those rows.
@@ -196,6 +197,9 @@ class StepResult:
             last new token this lane computed (``logits`` is then empty).
         graph: the step replayed a recorded CUDA graph (``attention_s`` is then 0: a graph's
             sections are not timed apart).
+        logits_dtype: how the ``logits`` rows travel: ``"float32"``, ``"float16"``, or
+            ``"bfloat16"`` (the raw bits, ``uint16``). The model computes its logits in its
+            own dtype, so the 16-bit rows lose nothing and halve the step's largest payload.
     """
 
     num_tokens: int
@@ -209,6 +213,7 @@ class StepResult:
     tokens: np.ndarray | None = None
     next_tokens: dict[int, int] = field(default_factory=dict)
     graph: bool = False
+    logits_dtype: str = "float32"
 
 
 @dataclass(slots=True, frozen=True, eq=False)

@@ -114,8 +114,9 @@ class DecodeGraphs:
             sample: return only the greedy samples (no logits leave the device).
 
         Returns:
-            ``(logits, next_ids)``: fp32 ``[B, vocab]`` (``None`` when ``sample``) and int64
-            ``[B]`` greedy next tokens.
+            ``(logits, next_ids)``: fp32 ``[B, vocab]`` on the device (``None`` when
+            ``sample``; a view of the graph's output, valid until the next step) and int64
+            ``[B]`` greedy next tokens on the host.
 
         Raises:
             ValueError: not a decode step (see :meth:`accepts`), or pages the step plan would
@@ -146,7 +147,7 @@ class DecodeGraphs:
         else:
             rec.logits, rec.next_ids = self._forward(bucket)
         ids = rec.next_ids[:b].cpu().numpy()
-        return (None if sample else rec.logits[:b].cpu().numpy()), ids
+        return (None if sample else rec.logits[:b]), ids
 
     def _fill(
         self, sequences: Sequence[StepSequence], bucket: int

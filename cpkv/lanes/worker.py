@@ -203,12 +203,12 @@ class LaneWorker:
             return self._graph_decode(shard, step, t0)
         plan = StepPlan.build(step.sequences, self.cp_size, shard.page_size, self.lane)
         attn = CPAttention(self.group, plan, step.mode)
-        logits, next_tokens, out, tokens = {}, {}, None, None
+        logits, next_tokens, out, tokens, logits_dtype = {}, {}, None, None, "float32"
         if step.probe is not None:
             out = self._probe(shard, plan, attn, step.probe, step.probe_rows)
             tokens = plan.my_tokens
         else:
-            logits, next_tokens = self._forward(shard, plan, attn, step)
+            logits, next_tokens, logits_dtype = self._forward(shard, plan, attn, step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(
@@ -222,6 +222,7 @@ class LaneWorker:
             out=out,
             tokens=tokens,
             next_tokens=next_tokens,
+            logits_dtype=logits_dtype,
         )
 
     def _graph_decode(self, shard: LaneShard, step: StepRequest, t0: float) -> StepResult:
@@ -234,6 +235,7 @@ class LaneWorker:
             )
         logits, ids = graphs.run(step.sequences, sample=step.sample)
         n = len(step.sequences)
+        rows, dtype = (None, "float32") if logits is None else host_logits(logits, self.model.dtype)
         return StepResult(
             num_tokens=n,
             compute_s=time.perf_counter() - t0,
@@ -241,9 +243,10 @@ class LaneWorker:
             attention_s=0.0,
             mode="pass_q",
             exchange_bytes=0,
-            logits={} if logits is None else {b: logits[b] for b in range(n)},
+            logits={} if rows is None else {b: rows[b] for b in range(n)},
             next_tokens={b: int(ids[b]) for b in range(n)} if step.sample else {},
             graph=graphs.capture,
+            logits_dtype=dtype,
         )
 
     def _probe(
@@ -261,10 +264,11 @@ class LaneWorker:
 
     def _forward(
         self, shard: LaneShard, plan: StepPlan, attn: CPAttention, step: StepRequest
-    ) -> tuple[dict[int, np.ndarray], dict[int, int]]:
-        """Every layer for this lane's tokens; ``(logits, next_tokens)`` of the sequences whose
-        last new token it computed: fp32 rows, or for a sampling step only their argmax
-        (taken on the device, so no logits cross to the host)."""
+    ) -> tuple[dict[int, np.ndarray], dict[int, int], str]:
+        """Every layer for this lane's tokens; ``(logits, next_tokens, logits_dtype)`` of the
+        sequences whose last new token it computed: rows as :func:`host_logits` makes them,
+        or for a sampling step only their argmax (taken on the device, so no logits cross to
+        the host)."""
         model = self.model
         if model is None:
             raise ValueError("this pool has no model: connect(..., model=...) to prefill")
@@ -281,11 +285,30 @@ class LaneWorker:
             hidden = model.finish_layer(layer, hidden, o)
         last = [b for b in range(plan.num_requests) if int(plan.last_token_owner[b]) == self.lane]
         if not last:
-            return {}, {}
+            return {}, {}, "float32"
         rows = torch.as_tensor([int(plan.last_token_index[b]) for b in last], device=dev)
         logits = model.logits(hidden[rows])
         if step.sample:
             ids = logits.argmax(dim=-1).tolist()
-            return {}, {b: ids[i] for i, b in enumerate(last)}
-        rows_np = logits.float().cpu().numpy()
-        return {b: rows_np[i] for i, b in enumerate(last)}, {}
+            return {}, {b: ids[i] for i, b in enumerate(last)}, "float32"
+        rows_np, dtype = host_logits(logits, model.dtype)
+        return {b: rows_np[i] for i, b in enumerate(last)}, {}, dtype
+
+
+def host_logits(logits: torch.Tensor, model_dtype: torch.dtype) -> tuple[np.ndarray, str]:
+    """Logits rows copied to the host in the dtype the model computed them in.
+
+    Args:
+        logits: fp32 ``[B, vocab]`` on the lane's device, cast up from ``model_dtype``.
+        model_dtype: the model's dtype.
+
+    Returns:
+        ``(rows, dtype)`` for :class:`StepResult` (``logits`` and ``logits_dtype``): fp16 and
+        bf16 rows hold the same values in half the bytes (bf16 as its ``uint16`` bits).
+    """
+    if model_dtype == torch.bfloat16:
+        bits = logits.to(torch.bfloat16).view(torch.int16).cpu().numpy()
+        return bits.view(np.uint16), "bfloat16"
+    if model_dtype == torch.float16:
+        return logits.to(torch.float16).cpu().numpy(), "float16"
+    return logits.float().cpu().numpy(), "float32"
