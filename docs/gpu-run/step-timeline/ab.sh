@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# A/B of the graphs' packing on the GPU box: the working tree ("packed") against the parent
-# before packing ("base", .scratch/base = git archive 43c32bf cpkv benchmarks, plus this
-# timeline script), alternating; then bench_steps through the client's graph, and the graph
-# tests. Carry .whl and .scratch/base.
+# A/B/C on the GPU box, alternating: the working tree ("new": packed graphs, 16-bit logits),
+# the packing alone ("packed", .scratch/head = git archive 0cbdf35 cpkv benchmarks docs/...)
+# and the parent before packing ("base", .scratch/base = git archive 43c32bf, plus this
+# timeline script); then bench_steps through the client's graph, and the graph tests.
+# Carry .whl, .scratch/base and .scratch/head.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
@@ -15,12 +16,12 @@ run() {  # name dir cmd...
 }
 TL="python3 docs/gpu-run/step-timeline/timeline_step.py --iters 40"
 for i in 1 2; do
-  run "tl-1b-packed-$i" "$ROOT" $TL --model llama-3.2-1b
+  run "tl-1b-new-$i" "$ROOT" $TL --model llama-3.2-1b
+  run "tl-1b-packed-$i" "$ROOT/.scratch/head" $TL --model llama-3.2-1b
   run "tl-1b-base-$i" "$ROOT/.scratch/base" $TL --model llama-3.2-1b
-  run "tl-tiny-packed-$i" "$ROOT" $TL
-  run "tl-tiny-base-$i" "$ROOT/.scratch/base" $TL
 done
-BS="python3 benchmarks/bench_steps.py --cp 1,4 --dispatch graph --iters 40 --num-gpus-per-lane 0.25"
-run bs-packed "$ROOT" $BS
+run "tl-tiny-new" "$ROOT" $TL
+run "tl-tiny-base" "$ROOT/.scratch/base" $TL
+BS="python3 benchmarks/bench_steps.py --cp 1,4 --dispatch graph --iters 30 --model llama-3.2-1b --num-gpus-per-lane 0.25"
+run bs-new "$ROOT" $BS
 run bs-base "$ROOT/.scratch/base" $BS
-run tests "$ROOT" python3 -m pytest -q -x tests/test_step_graph.py tests/test_compiled_steps.py
