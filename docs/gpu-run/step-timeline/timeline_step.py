@@ -72,10 +72,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--num-gpus-per-lane", type=float, default=None)
     ap.add_argument("--vocab", type=int, default=None, help="the preset's vocabulary replaced")
+    ap.add_argument("--dtype", default=None, help="the preset's dtype replaced")
     args = ap.parse_args()
     config = preset_config(args.model)
     if args.vocab:  # a big vocabulary's logits on a small model (the 1B's: 128256)
         config = dataclasses.replace(config, vocab_size=args.vocab)
+    if args.dtype:
+        config = dataclasses.replace(config, dtype=args.dtype)
     c = cpkv.connect(
         cp_size=1,
         page_size=64,
