@@ -5,7 +5,7 @@
 # timeline script); then bench_steps through the client's graph, and the graph tests.
 # Carry .whl, .scratch/base and .scratch/head.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+. scripts/_gpu_env.sh  # Ray from .whl/, its binaries executable
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 ROOT=$PWD
 run() {  # name dir cmd...
