@@ -82,6 +82,13 @@ if os.environ.get("CPKV_TEST_COMPILED_STEPS") == "1":
 MAX_POOLS = 3
 
 
+def _key(opts: dict) -> tuple:
+    return tuple(sorted(opts.items(), key=lambda kv: kv[0]))
+
+
+_DEFAULT_KEY = _key(DEFAULTS)
+
+
 @pytest.fixture(scope="session")
 def _client_pool(ray_session):
     """Clients by configuration, kept for the session (starting lanes costs seconds); the
@@ -110,11 +117,14 @@ def make_client(_client_pool):
             client = cpkv.connect(**opts)
             own.append(client)
             return client
-        key = tuple(sorted(opts.items(), key=lambda kv: kv[0]))
+        key = _key(opts)
         client = _client_pool.pop(key, None)
         if client is None:
-            while len(_client_pool) >= MAX_POOLS:
-                _client_pool.pop(next(iter(_client_pool))).shutdown()
+            while len(_client_pool) >= MAX_POOLS + (_DEFAULT_KEY in _client_pool):
+                # NOTE: the default shape is never evicted: most tests ask for it, and a
+                # cp=4 pool costs ~8 s to start on 2 cores (four processes importing torch).
+                oldest = next(k for k in _client_pool if k != _DEFAULT_KEY)
+                _client_pool.pop(oldest).shutdown()
             opts["name"] = f"coord-{uuid.uuid4().hex[:8]}"
             client = cpkv.connect(**opts)
         else:
@@ -125,6 +135,25 @@ def make_client(_client_pool):
     yield make
     for client in own:
         client.shutdown()
+
+
+@pytest.fixture
+def attach(make_client):
+    """Another client of a pooled client's coordinator (``namespace=`` etc. in kwargs),
+    shut down after the test; the pool stays. Tests of two clients on one coordinator use
+    it instead of a pool of their own."""
+    import cpkv
+
+    attached = []
+
+    def go(client, **kwargs):
+        other = cpkv.connect(**{**DEFAULTS, "name": client.name, **kwargs})
+        attached.append(other)
+        return other
+
+    yield go
+    for other in attached:
+        other.shutdown()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import cpkv
 from cpkv import CPAllocator, InvalidRequestError, KVCapacityWaitError
 from cpkv.actors.wire import pack, unpack
 
-from .conftest import CUDA_DEVICES, DEFAULTS, NUM_GPUS
+from .conftest import CUDA_DEVICES, NUM_GPUS
 
 pytestmark = pytest.mark.ray
 
@@ -208,14 +208,14 @@ def test_async_twins(make_client):
     assert stats["used"] == [0, 0, 0, 0]
 
 
-def test_attach_to_named_coordinator(make_client):
-    c = make_client(name="shared-coord")
+def test_attach_to_named_coordinator(make_client, attach):
+    c = make_client()
     c.allocate_extend("r", np.arange(10))
-    other = cpkv.connect(**{**DEFAULTS, "name": "shared-coord"})
+    other = attach(c)
     assert other.stats()["num_requests"] == 1
-    assert other.lanes == c.lanes
+    assert other.lanes == c.lanes and not other.owns_pool
     with pytest.raises(InvalidRequestError, match="exists"):
-        cpkv.connect(name="shared-coord", cp_size=2, page_size=4, num_pages_per_lane=32)
+        cpkv.connect(name=c.name, cp_size=2, page_size=4, num_pages_per_lane=32)
 
 
 def test_metrics_gauges_take_the_stats(ray_session):
@@ -253,10 +253,10 @@ def test_request_ids_reused_after_free(make_client):
     assert report["ok"], report
 
 
-def test_two_clients_extend_one_rid_at_once(make_client):
+def test_two_clients_extend_one_rid_at_once(make_client, attach):
     # Clients share request ids only inside one namespace (issue 19.4).
-    c = make_client(name="shared-rid", namespace="job")
-    other = cpkv.connect(**{**DEFAULTS, "name": "shared-rid", "namespace": "job"})
+    pool = make_client()
+    c, other = attach(pool, namespace="job"), attach(pool, namespace="job")
     c.allocate_extend("shared", np.arange(8))
     errors = []
 
@@ -278,7 +278,6 @@ def test_two_clients_extend_one_rid_at_once(make_client):
     assert stats["num_requests"] == 1
     assert sum(stats["used"]) == -(-(8 + 60 + 1) // 4)
     assert c.check()["ok"]
-    other.shutdown()
 
 
 def test_cache_salt_separates_tenants(make_client):

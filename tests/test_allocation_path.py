@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import cpkv
 from cpkv.core.page_hash import TokenDigest
 
 from .conftest import DEFAULTS
@@ -37,22 +36,19 @@ def test_an_allocation_sends_page_digests_not_token_ids(make_client):
     assert hit.cached_len == (len(tokens) + 7) // ps * ps
 
 
-def test_a_digest_made_stale_by_a_namespace_peer_falls_back_to_token_ids(make_client):
-    a = make_client(name="digest-pool", namespace="team")
-    b = cpkv.connect(**{**DEFAULTS, "name": "digest-pool", "namespace": "team"})
-    try:
-        ps = DEFAULTS["page_size"]
-        a.allocate_extend("shared", np.arange(6))  # a: 2 tokens in the partial page
-        b.allocate_extend("shared", np.arange(6, 11))  # b assumed 0: stale, then ids
-        out = a.allocate_extend("shared", np.arange(11, 40))  # a assumed 2, it is 3
-        assert (out.prefix_len, out.extend_len) == (11, 29)
-        a.free("shared")
-        assert b.stats()["num_requests"] == 0
-        # Every full page of the 40 ids was cached under its true identity.
-        hit = b.allocate_extend("again", np.arange(41))
-        assert hit.cached_len == 40 // ps * ps
-    finally:
-        b.shutdown()
+def test_a_digest_made_stale_by_a_namespace_peer_falls_back_to_token_ids(make_client, attach):
+    pool = make_client()
+    a, b = attach(pool, namespace="team"), attach(pool, namespace="team")
+    ps = DEFAULTS["page_size"]
+    a.allocate_extend("shared", np.arange(6))  # a: 2 tokens in the partial page
+    b.allocate_extend("shared", np.arange(6, 11))  # b assumed 0: stale, then ids
+    out = a.allocate_extend("shared", np.arange(11, 40))  # a assumed 2, it is 3
+    assert (out.prefix_len, out.extend_len) == (11, 29)
+    a.free("shared")
+    assert b.stats()["num_requests"] == 0
+    # Every full page of the 40 ids was cached under its true identity.
+    hit = b.allocate_extend("again", np.arange(41))
+    assert hit.cached_len == 40 // ps * ps
 
 
 def test_a_retry_by_call_id_resends_what_was_first_sent(make_client):

@@ -178,7 +178,7 @@ def test_connect_rejects_bad_sizes_before_starting_anything(kwargs, needle, monk
 def test_bad_strategy_and_mismatched_lane_count(make_client):
     with pytest.raises(ValueError, match="BOGUS"):
         make_client(fresh=True, strategy="BOGUS")
-    c = make_client(name="mismatch-coord")
+    c = make_client()
     with pytest.raises(ValueError, match="exists"):
-        cpkv.connect(name="mismatch-coord", cp_size=2, page_size=4, num_pages_per_lane=32)
+        cpkv.connect(name=c.name, cp_size=2, page_size=4, num_pages_per_lane=32)
     assert c.stats()["cp_size"] == 4

@@ -77,8 +77,8 @@ def test_killed_lane_fails_only_its_requests_and_comes_back(make_client):
 def test_store_to_a_dead_lane_raises_lane_unavailable(make_client):
     import torch
 
-    c = make_client(fresh=True)
-    alloc = c.allocate_extend("r", np.arange(64))
+    c = make_client(fresh=True, cp_size=2)
+    alloc = c.allocate_extend("r", np.arange(64))  # pages on both lanes
     ray.kill(c.lanes[1], no_restart=True)  # gone for good: calls to it fail at once
     k = torch.zeros(64, 2, 8)
     with pytest.raises(LaneUnavailableError) as info:
@@ -88,7 +88,7 @@ def test_store_to_a_dead_lane_raises_lane_unavailable(make_client):
 
 
 def test_killed_coordinator_restarts_and_reports_requests_lost(make_client):
-    c = make_client(fresh=True)
+    c = make_client(fresh=True, cp_size=2)
     c.allocate_extend("x", np.arange(40))
     c.allocate_extend("y", np.arange(100, 140))
     old_epoch = c._epoch
@@ -244,7 +244,7 @@ def test_requests_of_a_dead_job_are_freed_when_its_lease_lapses(make_client):
 
 
 def test_attached_client_shutdown_leaves_the_pool(make_client):
-    c = make_client(fresh=True)
+    c = make_client()
     other = cpkv.connect(name=c.name, **SHAPE)
     assert not other.owns_pool and c.owns_pool
     other.allocate_extend("theirs", np.arange(30))
