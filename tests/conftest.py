@@ -36,6 +36,13 @@ GPUS_PER_LANE = 0.5 if not CUDA_DEVICES else 0.05
 LANE_ENV = {"TRITON_INTERPRET": "0"}
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """Tests that want a quiet Ray run first, before any pooled client exists: otherwise
+    :func:`quiet_ray` shuts the pools down and the next tests start them again (a cp=4
+    pool costs ~8 s on 2 cores)."""
+    items.sort(key=lambda item: "quiet_ray" not in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """Start Ray once (CPU machine: logical GPUs make GPU placement testable)."""
