@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
 import numpy as np
 import pytest
+import ray
 import torch
 
 import cpkv
 from cpkv import CPAllocator, InvalidRequestError, KVCapacityWaitError
+from cpkv.actors.pool import _ACTOR_ENV
 from cpkv.actors.wire import pack, unpack
 
 from .conftest import CUDA_DEVICES, NUM_GPUS
@@ -288,3 +291,17 @@ def test_cache_salt_separates_tenants(make_client):
     assert c.allocate_extend("b", prompt, cache_salt="tenant-b").cached_len == 0
     assert c.allocate_extend("a2", prompt, cache_salt="tenant-a").cached_len == 36
     assert c.check()["ok"]
+
+
+def _malloc_env(actor) -> dict:
+    return {k: os.environ.get(k) for k in _ACTOR_ENV}
+
+
+def test_the_pools_actors_start_with_a_fixed_malloc_threshold(make_client):
+    # A step's answer then pickles into reused heap, not freshly faulted pages (see
+    # cpkv.actors.pool._ACTOR_ENV); glibc reads these when the process starts.
+    c = make_client()
+    expected = {k: v for k, v in _ACTOR_ENV.items() if k not in os.environ}
+    assert expected  # the test run's own environment leaves them to the pool
+    for got in ray.get([a.__ray_call__.remote(_malloc_env) for a in (c._coord, *c.lanes)]):
+        assert {k: got[k] for k in expected} == expected, got
