@@ -23,39 +23,12 @@ def med(f, n=60):
         t0 = time.perf_counter(); f(); w.append(time.perf_counter() - t0)
     return statistics.median(w) * 1e3, statistics.median(runs) * 1e3
 for _ in range(10): c.decode(rids, tok()); c.decode_greedy(rids, tok())
-def _stamp_all(actor, targets):
-    """Wrap ``actor``'s methods (dotted paths) to record (enter, leave) stamps per key."""
-    import functools
-    import time as _time
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../gpu-run/step-timeline"))
+import timeline_step  # noqa: E402
+from ray import cloudpickle  # noqa: E402
 
-    actor._stamps = stamps = {}
-    for path, key in targets:
-        obj = actor
-        *parents, name = path.split(".")
-        for p in parents:
-            obj = getattr(obj, p)
-        f = getattr(obj, name)
-
-        def make(f, key):
-            @functools.wraps(f)
-            def w(*a, **k):
-                t0 = _time.perf_counter()
-                try:
-                    return f(*a, **k)
-                finally:
-                    stamps.setdefault(key, []).append((t0, _time.perf_counter()))
-
-            return w
-
-        setattr(obj, name, make(f, key))
-    return True
-
-
-def _clear(actor):
-    actor._stamps.clear()
-    return True
-
-
+cloudpickle.register_pickle_by_value(timeline_step)  # the actors cannot import it
+_stamp_all, _clear = timeline_step._stamp_all, timeline_step._clear
 lane = c.lanes[0]
 ray.get(lane.__ray_call__.remote(_stamp_all, [("compiled_step", "lane"), ("_step", "step")]))
 ray.get(c._coord.__ray_call__.remote(_stamp_all, [("run_step", "run_step"), ("_steps.execute", "queued"), ("_steps._run", "graph"), ("_c.decode", "decode")]))
