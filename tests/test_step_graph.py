@@ -293,6 +293,10 @@ def test_idle_graphs_are_torn_down_so_their_loops_stop_spinning_and_come_back(ma
     from tests.test_lane_attention import close, qkv, reference
 
     c = make_client(fresh=True, cp_size=1, num_pages_per_lane=48, compiled_steps=True)
+    # NOTE: both graphs' idle time cut from IDLE_TEARDOWN_S (10 s) to 3 s before their first
+    # step (each reads it when it next waits): the mechanism is under test, not the constant.
+    c._graph.idle_s = 3.0
+    ray.get(c._coord.__ray_call__.remote(_set_idle_s, 3.0))
     prompt = np.arange(21) % 200
     c.prefill("a", prompt, probe=qkv(prompt))
     pids = [
@@ -314,6 +318,10 @@ def test_idle_graphs_are_torn_down_so_their_loops_stop_spinning_and_come_back(ma
         builds[1] + 1,
     )
     assert c._graph.num_steps == 2 and c.stats()["step_graphs"] == 1  # its slot was kept
+
+
+def _set_idle_s(actor, seconds: float) -> None:
+    actor._steps._idle_s = seconds
 
 
 @pytest.mark.ray
