@@ -40,6 +40,12 @@ def _stamp_all(actor, targets):
     actor._stamps = stamps = {}
     for path, key in targets:
         obj = actor
+        if path.startswith("mod:"):  # a module's function: "mod:package.module.function"
+            import importlib
+
+            path, _, name = path[4:].rpartition(".")
+            obj, parents = importlib.import_module(path), []
+            path = name
         *parents, name = path.split(".")
         for p in parents:
             obj = getattr(obj, p)
@@ -96,10 +102,21 @@ def main() -> None:
     ray.get(
         coord.__ray_call__.remote(
             _stamp_all,
-            [("run_step", "run_step"), ("_steps.execute", "queued"), ("_steps._run", "graph")],
+            [
+                ("run_step", "run_step"),
+                ("_steps.execute", "queued"),
+                ("_steps._run", "graph"),
+                ("mod:cpkv.actors.compiled_steps.pack", "cs_pack"),
+                ("mod:cpkv.actors.compiled_steps.unpack", "cs_unpack"),
+            ],
         )
     )
-    ray.get(lane.__ray_call__.remote(_stamp_all, [("compiled_step", "lane"), ("_step", "step")]))
+    ray.get(
+        lane.__ray_call__.remote(
+            _stamp_all,
+            [("compiled_step_packed", "packed"), ("compiled_step", "lane"), ("_step", "step")],
+        )
+    )
     graph, client = c._graph, []
     run = graph.run
 
@@ -141,6 +158,18 @@ def main() -> None:
             co["run_step"][i][1] - co["graph"][i][1] for i in range(n)
         ],
         "coordinator -> client": [client[i][1] - co["run_step"][i][1] for i in range(n)],
+        "  of which coordinator pack": [co["cs_pack"][i][1] - co["cs_pack"][i][0] for i in range(n)],
+        "  of which Ray coordinator -> lane": [
+            la["packed"][i][0] - co["cs_pack"][i][1] for i in range(n)
+        ],
+        "  of which lane unpack": [la["lane"][i][0] - la["packed"][i][0] for i in range(n)],
+        "  of which lane pack": [la["packed"][i][1] - la["lane"][i][1] for i in range(n)],
+        "  of which Ray lane -> coordinator": [
+            co["cs_unpack"][i][0] - la["packed"][i][1] for i in range(n)
+        ],
+        "  of which coordinator unpack": [
+            co["cs_unpack"][i][1] - co["cs_unpack"][i][0] for i in range(n)
+        ],
         "client round (total)": [client[i][1] - client[i][0] for i in range(n)],
     }
     print(f"model {args.model}, cp 1, {args.tokens}-token prefill, medians of {n} (ms)")
