@@ -66,19 +66,26 @@ class LaneCapacity:
         if num_pages == 0:
             return _EMPTY_I32
         cp = self.layout.cp_size
+        if cp == 1:  # one lane takes every page (secure() checks it has them)
+            return np.zeros(num_pages, dtype=np.int32)
         free = self.available_pages_per_lane()
         if reserved is not None:
             free = free - reserved
-        order = np.argsort(-free, kind="stable").astype(np.int32)
-        base, extra = divmod(num_pages, cp)
-        counts = np.full(cp, base, dtype=np.int64)
-        counts[:extra] += 1  # per position in `order`
         evictable = self._cache.num_evictable_pages_per_lane
         if self._availability:
             evictable[self._availability.down_lanes] = 0  # a lane that is down gives nothing
-        cap = np.maximum(0, free + evictable)[order]
-        if (counts <= cap).all() or cap.sum() < num_pages:
-            return np.resize(order, num_pages)
+        # NOTE: the common case (every lane has room for its share) on Python ints: a
+        # handful of numpy calls on cp-long arrays cost ~30 us a step (measured).
+        free_l, evictable_l = free.tolist(), evictable.tolist()
+        order_l = sorted(range(cp), key=lambda r: -free_l[r])  # stable: ties by lane id
+        cap_l = [max(0, free_l[r] + evictable_l[r]) for r in order_l]
+        base, extra = divmod(num_pages, cp)
+        order = np.array(order_l, dtype=np.int32)
+        if sum(cap_l) < num_pages or all(
+            c >= base + (i < extra) for i, c in enumerate(cap_l)
+        ):
+            return order[np.arange(num_pages) % cp]
+        cap = np.array(cap_l, dtype=np.int64)
         # Water-fill: every lane gets min(cap, level) for the highest level that fits,
         # the rest one more each in rotation order, so unsaturated lanes stay within
         # a page of each other.
