@@ -81,9 +81,7 @@ class LaneCapacity:
         cap_l = [max(0, free_l[r] + evictable_l[r]) for r in order_l]
         base, extra = divmod(num_pages, cp)
         order = np.array(order_l, dtype=np.int32)
-        if sum(cap_l) < num_pages or all(
-            c >= base + (i < extra) for i, c in enumerate(cap_l)
-        ):
+        if sum(cap_l) < num_pages or all(c >= base + (i < extra) for i, c in enumerate(cap_l)):
             return order[np.arange(num_pages) % cp]
         cap = np.array(cap_l, dtype=np.int64)
         # Water-fill: every lane gets min(cap, level) for the highest level that fits,
