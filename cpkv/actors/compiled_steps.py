@@ -6,9 +6,18 @@ lane waits on, so a step reaches the lanes without Ray's per-call scheduling (me
 against 2.4 ms as ordinary calls). Only the process that runs a graph reads its results, so
 the lanes' answers come back through the coordinator as values (:class:`LaneReply`).
 
-One thread owns the graph: it builds it (again after a lane died, which ends a graph's
-run, or after it was idle), runs the steps in the order they were queued and reads each
-one's answers; nothing else touches the graph.
+A step is written to the graph by the thread that queues it (the coordinator's, under its
+lock, so steps are written in the order they were decided), at once: the lanes start while
+the coordinator finishes its bookkeeping (measured on the H100 box: that thread hop, to a
+thread that got the GIL only once the caller blocked, cost 0.07-0.16 ms a step). One
+thread reads the answers, in order, and owns the graph's life: it builds the graph (again
+after a lane died, which ends a graph's run, or after it was idle), and while it is not
+built, or steps queued before are not yet written, it writes the queued steps itself.
+
+NOTE: Ray's compiled graph is not documented as thread-safe; here one thread at a time
+writes (``_write_lock``) and one other reads, and they share only the execution counters
+(read-only on the writing side: ``_max_finished_execution_index``), checked against Ray
+2.60's ``CompiledDAG.execute`` / ``CompiledDAGRef.get``.
 
 NOTE: a graph's reader waits for its next input by polling (Ray 2.60's channel read spins
 on ``sched_yield``): measured on the 2-core machine, an idle lane's graph loop used 97% of a
@@ -60,6 +69,9 @@ class CompiledSteps:
         self._idle_s = idle_s
         self._graph = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Held while a step is written and while the graph is swapped in or out.
+        self._write_lock = threading.Lock()
+        self._num_unwritten = 0  # queued steps the graph thread must write (in order)
         self.num_builds = 0
         self.num_runs = 0
         self.num_breaks = 0  # runs the graph could not answer (a lane died, a build failed)
@@ -74,11 +86,26 @@ class CompiledSteps:
         self._queue.put(_BUILD)
 
     def execute(self, packet: StepPacket) -> list[Future]:
-        """Queue ``packet`` for every lane; per lane, a future of its :class:`LaneReply`
-        (never an exception: a broken graph answers :class:`LaneDeadError` for the lane that
-        died and :class:`StepAborted` for the others)."""
+        """Send ``packet`` to every lane: written to the graph now when it is built and no
+        step queued before is still unwritten, else queued for the graph thread to write.
+        Callers keep the order of their calls (the coordinator calls under its lock).
+
+        Returns:
+            Per lane, a future of its :class:`LaneReply` (never an exception: a broken graph
+            answers :class:`LaneDeadError` for the lane that died and :class:`StepAborted`
+            for the others).
+        """
         futures: list[Future] = [Future() for _ in self._lanes]
-        self._queue.put((packet, futures))
+        with self._write_lock:
+            refs = None
+            if self._graph is not None and self._num_unwritten == 0:
+                try:
+                    refs = self._write(packet)
+                except Exception as e:  # a broken graph: the graph thread answers the step
+                    logger.debug("compiled steps: write failed (%s: %s)", type(e).__name__, e)
+            if refs is None:
+                self._num_unwritten += 1
+            self._queue.put((packet, futures, refs))
         return futures
 
     def close(self) -> None:
@@ -91,9 +118,9 @@ class CompiledSteps:
             try:
                 item = self._queue.get(timeout=self._idle_s if self._graph is not None else None)
             except queue.Empty:  # idle: stop the lanes' loops spinning until the next step
-                self._teardown()
-                self.num_idle_teardowns += 1
-                logger.info("compiled steps: idle for %.0fs; graph torn down", self._idle_s)
+                if self._teardown(only_if_idle=True):
+                    self.num_idle_teardowns += 1
+                    logger.info("compiled steps: idle for %.0fs; graph torn down", self._idle_s)
                 continue
             if item is _STOP:
                 self._teardown()
@@ -102,21 +129,40 @@ class CompiledSteps:
                 if self._graph is None:
                     self._try_build()
                 continue
-            packet, futures = item
-            for future, reply in zip(futures, self._run(packet), strict=True):
+            packet, futures, refs = item
+            for future, reply in zip(futures, self._run(packet, refs), strict=True):
                 future.set_result(reply)
 
-    def _run(self, packet: StepPacket) -> list[LaneReply]:
+    def _write(self, packet: StepPacket) -> list:
+        """Write ``packet`` to the graph (write lock held); its answers' refs."""
+        return self._graph.execute(pack(packet))
+
+    def _write_queued(self, packet: StepPacket) -> list:
+        """Write a step that was queued unwritten, building the graph first if need be
+        (outside the write lock: meanwhile steps queue unwritten behind this one)."""
         try:
             if self._graph is None:
                 self._build()
+            with self._write_lock:
+                self._num_unwritten -= 1
+                return self._write(packet)
+        except BaseException:
+            with self._write_lock:
+                self._num_unwritten -= 1
+            raise
+
+    def _run(self, packet: StepPacket, refs: list | None) -> list[LaneReply]:
+        """The lanes' answers to a step (written already when ``refs`` is not ``None``)."""
+        try:
+            if refs is None:
+                refs = self._write_queued(packet)
             # NOTE: no timeout: a compiled result is read once, and a hung lane is the
             # supervisor's to kill, which ends this wait with the lane's death.
             # NOTE: packed both ways (cpkv.actors.wire): an unpacked reply owns its arrays.
             # One read from a channel may stay a view of its shared buffer, which the lanes
             # then cannot write again while an answer is remembered (seen: the eleventh step
             # hung, with the graph's ten buffers held).
-            replies = [unpack(r) for r in ray.get(self._graph.execute(pack(packet)))]
+            replies = [unpack(r) for r in ray.get(refs)]
         except Exception as e:  # the graph broke (a lane died) or could not be built
             logger.warning("compiled steps: %s: %s; rebuilt at the next step", type(e).__name__, e)
             self.num_breaks += 1
@@ -143,20 +189,32 @@ class CompiledSteps:
         t0 = time.perf_counter()
         with InputNode() as packet:
             out = MultiOutputNode([lane.compiled_step_packed.bind(packet) for lane in self._lanes])
-        self._graph = compile_unowned(out)
-        # The first run waits for every lane's loop to start: done here, not in a step.
-        ray.get(
-            self._graph.execute(pack(StepPacket(None, epoch=self._epoch))),
-            timeout=self._build_timeout_s,
-        )
+        graph = compile_unowned(out)
+        try:
+            # The first run waits for every lane's loop to start: done here, not in a step.
+            ray.get(
+                graph.execute(pack(StepPacket(None, epoch=self._epoch))),
+                timeout=self._build_timeout_s,
+            )
+        except BaseException:
+            teardown_quietly(graph)
+            raise
+        with self._write_lock:  # callers write to it from now on
+            self._graph = graph
         self.num_builds += 1
         logger.info(
             "compiled steps: graph %d built in %.2fs", self.num_builds, time.perf_counter() - t0
         )
 
-    def _teardown(self) -> None:
-        graph, self._graph = self._graph, None
+    def _teardown(self, only_if_idle: bool = False) -> bool:
+        """Tear the graph down (no step is written to it from here on); with
+        ``only_if_idle``, only when no step was queued meanwhile. Whether it was."""
+        with self._write_lock:
+            if only_if_idle and not self._queue.empty():
+                return False
+            graph, self._graph = self._graph, None
         teardown_quietly(graph)
+        return graph is not None
 
     def _lane_of(self, error: BaseException) -> int | None:
         """The rank of the lane whose death ``error`` reports, when it says."""

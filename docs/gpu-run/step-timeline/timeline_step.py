@@ -6,11 +6,14 @@ coordinator and lane processes (``__ray_call__``), and prints the median of each
 
     client -> coordinator       the client graph's write, the coordinator loop's read
     decision                    run_step until the step is queued for the lanes' graph
-    thread hop                  queued until the lanes' graph thread takes it
-    coordinator -> lane         the lanes' graph write and the lane loop's read
-    lane before/after _step     compiled_step's own work (packet copy, fence, reply)
-    lane -> coordinator         the lane's write, the coordinator's read and copy
-    hand-back                   the graph thread's answer reaching run_step's return
+    coordinator pack            the step packet pickled (cpkv.actors.wire)
+    thread hop                  queued until packed (0 when the queuing thread writes it)
+    Ray coordinator -> lane     the lanes' graph write and the lane loop's read
+    lane unpack / pack          compiled_step_packed's own pickles
+    lane before/after _step     compiled_step's own work (fence, reply)
+    Ray lane -> coordinator     the lane's write, the coordinator's read
+    coordinator unpack          the lane's answer unpickled
+    hand-back                   the answer reaching run_step's return (packed for the client)
     coordinator -> client       run_step's return written, read by the client
 
 Run from the repository root: ``PYTHONPATH=. python docs/gpu-run/step-timeline/timeline_step.py
@@ -105,7 +108,6 @@ def main() -> None:
             [
                 ("run_step", "run_step"),
                 ("_steps.execute", "queued"),
-                ("_steps._run", "graph"),
                 ("mod:cpkv.actors.compiled_steps.pack", "cs_pack"),
                 ("mod:cpkv.actors.compiled_steps.unpack", "cs_unpack"),
             ],
@@ -146,30 +148,22 @@ def main() -> None:
         "decision (run_step until queued)": [
             co["queued"][i][0] - co["run_step"][i][0] for i in range(n)
         ],
-        "thread hop to the lanes' graph": [
-            co["graph"][i][0] - co["queued"][i][1] for i in range(n)
+        "coordinator pack": [co["cs_pack"][i][1] - co["cs_pack"][i][0] for i in range(n)],
+        "queued until packed (thread hop)": [
+            co["cs_pack"][i][0] - co["queued"][i][0] for i in range(n)
         ],
-        "coordinator -> lane": [la["lane"][i][0] - co["graph"][i][0] for i in range(n)],
+        "Ray coordinator -> lane": [la["packed"][i][0] - co["cs_pack"][i][1] for i in range(n)],
+        "lane unpack": [la["lane"][i][0] - la["packed"][i][0] for i in range(n)],
         "lane before _step": [la["step"][i][0] - la["lane"][i][0] for i in range(n)],
         "lane _step (moves + compute)": [la["step"][i][1] - la["step"][i][0] for i in range(n)],
         "lane after _step": [la["lane"][i][1] - la["step"][i][1] for i in range(n)],
-        "lane -> coordinator (+ copy)": [co["graph"][i][1] - la["lane"][i][1] for i in range(n)],
+        "lane pack": [la["packed"][i][1] - la["lane"][i][1] for i in range(n)],
+        "Ray lane -> coordinator": [co["cs_unpack"][i][0] - la["packed"][i][1] for i in range(n)],
+        "coordinator unpack": [co["cs_unpack"][i][1] - co["cs_unpack"][i][0] for i in range(n)],
         "hand-back to run_step's return": [
-            co["run_step"][i][1] - co["graph"][i][1] for i in range(n)
+            co["run_step"][i][1] - co["cs_unpack"][i][1] for i in range(n)
         ],
         "coordinator -> client": [client[i][1] - co["run_step"][i][1] for i in range(n)],
-        "  of which coordinator pack": [co["cs_pack"][i][1] - co["cs_pack"][i][0] for i in range(n)],
-        "  of which Ray coordinator -> lane": [
-            la["packed"][i][0] - co["cs_pack"][i][1] for i in range(n)
-        ],
-        "  of which lane unpack": [la["lane"][i][0] - la["packed"][i][0] for i in range(n)],
-        "  of which lane pack": [la["packed"][i][1] - la["lane"][i][1] for i in range(n)],
-        "  of which Ray lane -> coordinator": [
-            co["cs_unpack"][i][0] - la["packed"][i][1] for i in range(n)
-        ],
-        "  of which coordinator unpack": [
-            co["cs_unpack"][i][1] - co["cs_unpack"][i][0] for i in range(n)
-        ],
         "client round (total)": [client[i][1] - client[i][0] for i in range(n)],
     }
     print(f"model {args.model}, cp 1, {args.tokens}-token prefill, medians of {n} (ms)")
