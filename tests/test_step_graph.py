@@ -198,6 +198,10 @@ def test_a_restarted_coordinator_gets_the_clients_graph_again(make_client):
     epoch = c.stats()["epoch"]
     assert c._graph.num_builds == 1
     ray.kill(c._coord, no_restart=False)
+
+    # NOTE: ray.kill returns before the actor is gone: a step sent at once may still be
+    # answered by it (seen on the H100 box, where a step through the graph takes ~3 ms).
+    wait_for(lambda: ray.get(c._coord.epoch.remote(), timeout=5) != epoch)
     with pytest.raises(CoordinatorUnavailableError):
         c.prefill("b", prompt, probe=qkv(prompt))
     n = iter(range(1000))
