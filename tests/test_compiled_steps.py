@@ -1,7 +1,8 @@
 """Steps through one Ray compiled graph (``connect(compiled_steps=True)``).
 
 Without Ray: the channel's packet (each lane's riding moves and fence), the lanes' answers as
-values, and a lane that waits for the moves its fence names. Through Ray: a compiled pool
+values, a lane that waits for the moves its fence names, and who writes a step to the graph
+(the sender, or the graph thread while it builds). Through Ray: a compiled pool
 answers as an ordinary one, its graph is rebuilt after a lane dies, and a restarted
 coordinator's graph starts on the lanes the old one left.
 """
@@ -220,6 +221,140 @@ def test_a_compiled_step_for_another_coordinators_generation_is_refused_at_once(
     assert time.monotonic() - t0 < 0.4
     assert isinstance(reply.error, MovesNotApplied)
     assert lane.heartbeat(("g", 1))[1] == 0  # counted: nothing is on its way
+
+
+# ---------------------------------------------- CompiledSteps' writes and reads, without Ray
+class _Graph:
+    """A compiled graph's stand-in: ``execute`` logs (thread, step id) and answers with
+    refs that :class:`_Ray` resolves to each lane's packed reply."""
+
+    def __init__(self, log: list, num_lanes: int, fail_writes: int = 0) -> None:
+        self.log, self.num_lanes, self.fail_writes = log, num_lanes, fail_writes
+        self.torn_down = False
+
+    def execute(self, data: bytes) -> list:
+        from cpkv.actors.wire import unpack
+
+        step_id = unpack(data).step.step_id
+        if self.fail_writes:
+            self.fail_writes -= 1
+            raise RuntimeError("channel closed")
+        self.log.append((threading.current_thread().name, step_id))
+        return [(r, step_id) for r in range(self.num_lanes)]
+
+    def teardown(self) -> None:
+        self.torn_down = True
+
+
+class _Ray:
+    """``ray.get`` of :class:`_Graph`'s refs."""
+
+    @staticmethod
+    def get(refs: list) -> list:
+        from cpkv.actors.wire import pack
+
+        return [pack(LaneReply((("gen", 0), f"lane {r} step {sid}"))) for r, sid in refs]
+
+
+def _steps(monkeypatch, builds: list, num_lanes: int = 2):
+    """A CompiledSteps whose builds take their outcome from ``builds`` (a graph, an
+    exception to raise, or an Event to wait for before the next item)."""
+    from cpkv.actors import compiled_steps
+
+    monkeypatch.setattr(compiled_steps, "ray", _Ray)
+
+    class Steps(compiled_steps.CompiledSteps):
+        def _build(self) -> None:
+            outcome = builds.pop(0)
+            if isinstance(outcome, threading.Event):
+                outcome.wait(10)
+                outcome = builds.pop(0)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            with self._write_lock:
+                self._graph = outcome
+            self.num_builds += 1
+
+    return Steps([None] * num_lanes, idle_s=60.0)
+
+
+def _packet(step_id: int) -> StepPacket:
+    from cpkv.core.steps import StepRequest, StepSequence
+
+    seq = StepSequence(0, 1, np.array([1], I32), np.array([5]))
+    return StepPacket(StepRequest(step_id, "g", (seq,)), (None, None), (("gen", 0),) * 2, "e")
+
+
+def _values(futures: list[Future]) -> list:
+    return [f.result(timeout=10).unwrap() for f in futures]
+
+
+def _built(steps) -> None:
+    deadline = time.monotonic() + 10
+    while steps._graph is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert steps._graph is not None
+
+
+def test_a_step_is_written_by_the_thread_that_sends_it_once_the_graph_is_built(monkeypatch):
+    log: list = []
+    steps = _steps(monkeypatch, [_Graph(log, 2)])
+    steps.start("e")
+    _built(steps)
+    futures = [steps.execute(_packet(i)) for i in (1, 2, 3)]
+    assert [_values(f) for f in futures] == [
+        [(("gen", 0), f"lane {r} step {i}") for r in range(2)] for i in (1, 2, 3)
+    ]
+    me = threading.current_thread().name
+    assert log == [(me, 1), (me, 2), (me, 3)]  # no hop to the graph thread
+    assert steps._num_unwritten == 0 and steps.num_runs == 3
+    steps.close()
+
+
+def test_steps_sent_while_the_graph_builds_are_written_in_order_by_the_graph_thread(monkeypatch):
+    log: list = []
+    built = threading.Event()
+    steps = _steps(monkeypatch, [built, _Graph(log, 2)])
+    first = [steps.execute(_packet(i)) for i in (1, 2, 3)]  # the first one starts the build
+    assert steps._num_unwritten == 3
+    built.set()
+    assert [_values(f)[0][1] for f in first] == ["lane 0 step 1", "lane 0 step 2", "lane 0 step 3"]
+    later = steps.execute(_packet(4))
+    assert _values(later)[1][1] == "lane 1 step 4"
+    me = threading.current_thread().name
+    assert log == [("cpkv-graph", 1), ("cpkv-graph", 2), ("cpkv-graph", 3), (me, 4)]
+    assert steps._num_unwritten == 0
+    steps.close()
+
+
+def test_a_failed_build_answers_its_steps_and_leaves_none_pending(monkeypatch):
+    from cpkv.coordinator.channel import LaneDeadError
+
+    log: list = []
+    steps = _steps(monkeypatch, [RuntimeError("a lane is gone"), _Graph(log, 2)])
+    for future in steps.execute(_packet(1)):
+        assert isinstance(future.result(timeout=10).error, LaneDeadError)
+    assert steps._num_unwritten == 0 and steps.num_breaks == 1
+    assert _values(steps.execute(_packet(2)))[0][1] == "lane 0 step 2"  # built again
+    assert log == [("cpkv-graph", 2)]
+    assert _values(steps.execute(_packet(3)))[0][1] == "lane 0 step 3"
+    assert log[-1] == (threading.current_thread().name, 3) and steps._num_unwritten == 0
+    steps.close()
+
+
+def test_a_write_that_fails_is_answered_by_the_graph_thread(monkeypatch):
+    from cpkv.coordinator.channel import LaneDeadError
+
+    log: list = []
+    broken = _Graph(log, 2, fail_writes=2)  # the sender's write and the graph thread's
+    steps = _steps(monkeypatch, [broken, _Graph(log, 2)])
+    steps.start("e")
+    _built(steps)
+    for future in steps.execute(_packet(1)):
+        assert isinstance(future.result(timeout=10).error, LaneDeadError)
+    assert broken.torn_down and steps._num_unwritten == 0
+    assert _values(steps.execute(_packet(2)))[0][1] == "lane 0 step 2"
+    steps.close()
 
 
 # ------------------------------------------------------------------ through Ray

@@ -143,13 +143,13 @@ class CompiledSteps:
         try:
             if self._graph is None:
                 self._build()
-            with self._write_lock:
-                self._num_unwritten -= 1
-                return self._write(packet)
         except BaseException:
             with self._write_lock:
                 self._num_unwritten -= 1
             raise
+        with self._write_lock:
+            self._num_unwritten -= 1  # written or failed: either way no longer pending
+            return self._write(packet)
 
     def _run(self, packet: StepPacket, refs: list | None) -> list[LaneReply]:
         """The lanes' answers to a step (written already when ``refs`` is not ``None``)."""
