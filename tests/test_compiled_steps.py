@@ -228,8 +228,8 @@ class _Graph:
     """A compiled graph's stand-in: ``execute`` logs (thread, step id) and answers with
     refs that :class:`_Ray` resolves to each lane's packed reply."""
 
-    def __init__(self, log: list, num_lanes: int, fail_writes: int = 0) -> None:
-        self.log, self.num_lanes, self.fail_writes = log, num_lanes, fail_writes
+    def __init__(self, log: list, num_lanes: int, fail_writes: list | None = None) -> None:
+        self.log, self.num_lanes, self.fail_writes = log, num_lanes, list(fail_writes or ())
         self.torn_down = False
 
     def execute(self, data: bytes) -> list:
@@ -237,8 +237,7 @@ class _Graph:
 
         step_id = unpack(data).step.step_id
         if self.fail_writes:
-            self.fail_writes -= 1
-            raise RuntimeError("channel closed")
+            raise self.fail_writes.pop(0)
         self.log.append((threading.current_thread().name, step_id))
         return [(r, step_id) for r in range(self.num_lanes)]
 
@@ -247,12 +246,15 @@ class _Graph:
 
 
 class _Ray:
-    """``ray.get`` of :class:`_Graph`'s refs."""
+    """``ray.get`` of :class:`_Graph`'s refs (the timeouts it was given kept)."""
 
-    @staticmethod
-    def get(refs: list) -> list:
+    timeouts: list = []
+
+    @classmethod
+    def get(cls, refs: list, timeout: float | None = None) -> list:
         from cpkv.actors.wire import pack
 
+        cls.timeouts.append(timeout)
         return [pack(LaneReply((("gen", 0), f"lane {r} step {sid}"))) for r, sid in refs]
 
 
@@ -308,6 +310,8 @@ def test_a_step_is_written_by_the_thread_that_sends_it_once_the_graph_is_built(m
     me = threading.current_thread().name
     assert log == [(me, 1), (me, 2), (me, 3)]  # no hop to the graph thread
     assert steps._num_unwritten == 0 and steps.num_runs == 3
+    # A step may take longer than Ray's default read timeout (10 s) without breaking it.
+    assert min(_Ray.timeouts[-3:]) > 24 * 3600
     steps.close()
 
 
@@ -342,19 +346,46 @@ def test_a_failed_build_answers_its_steps_and_leaves_none_pending(monkeypatch):
     steps.close()
 
 
-def test_a_write_that_fails_is_answered_by_the_graph_thread(monkeypatch):
+def test_a_write_that_fails_midway_fails_its_step_and_the_graph_is_built_again(monkeypatch):
     from cpkv.coordinator.channel import LaneDeadError
 
     log: list = []
-    broken = _Graph(log, 2, fail_writes=2)  # the sender's write and the graph thread's
+    broken = _Graph(log, 2, fail_writes=[RuntimeError("channel closed")])
     steps = _steps(monkeypatch, [broken, _Graph(log, 2)])
     steps.start("e")
     _built(steps)
-    for future in steps.execute(_packet(1)):
+    for future in steps.execute(_packet(1)):  # it may have reached some lanes: not again
         assert isinstance(future.result(timeout=10).error, LaneDeadError)
-    assert broken.torn_down and steps._num_unwritten == 0
+    assert broken.torn_down and steps._num_unwritten == 0 and log == []
     assert _values(steps.execute(_packet(2)))[0][1] == "lane 0 step 2"
+    assert log == [("cpkv-graph", 2)] and steps.num_builds == 2
     steps.close()
+
+
+def test_a_step_the_graph_has_no_room_for_yet_is_written_by_the_graph_thread(monkeypatch):
+    from ray.exceptions import RayCgraphCapacityExceeded
+
+    log: list = []
+    full = _Graph(log, 2, fail_writes=[RayCgraphCapacityExceeded("10 in flight")])
+    steps = _steps(monkeypatch, [full])
+    steps.start("e")
+    _built(steps)
+    assert _values(steps.execute(_packet(1)))[0][1] == "lane 0 step 1"
+    assert log == [("cpkv-graph", 1)] and not full.torn_down and steps.num_breaks == 0
+    steps.close()
+
+
+def test_steps_sent_after_close_are_aborted_not_lost(monkeypatch):
+    from cpkv.coordinator.channel import StepAborted
+
+    log: list = []
+    steps = _steps(monkeypatch, [_Graph(log, 2)])
+    steps.start("e")
+    _built(steps)
+    steps.close()
+    for future in steps.execute(_packet(1)):
+        assert isinstance(future.result(timeout=10).error, StepAborted)
+    assert log == []
 
 
 # ------------------------------------------------------------------ through Ray

@@ -84,7 +84,11 @@ ARRAYS = {
     "read-only": np.frombuffer(b"\x01\x00\x02\x00", np.int16),
     "objects": np.array([{"a": 1}, None], dtype=object),
     "structured": np.zeros(2, dtype=[("x", "<i4"), ("y", "<f8")]),
+    "datetime64": np.array(["2026-12-06", "NaT"], dtype="M8[D]"),
+    "timedelta64": np.zeros(2, "m8[s]"),
+    "read-only-fortran": np.asfortranarray(np.arange(6).reshape(2, 3)),
 }
+ARRAYS["read-only-fortran"].flags.writeable = False
 
 
 @pytest.mark.parametrize("name", list(ARRAYS))

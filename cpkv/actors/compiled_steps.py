@@ -15,9 +15,13 @@ after a lane died, which ends a graph's run, or after it was idle), and while it
 built, or steps queued before are not yet written, it writes the queued steps itself.
 
 NOTE: Ray's compiled graph is not documented as thread-safe; here one thread at a time
-writes (``_write_lock``) and one other reads, and they share only the execution counters
-(read-only on the writing side: ``_max_finished_execution_index``), checked against Ray
-2.60's ``CompiledDAG.execute`` / ``CompiledDAGRef.get``.
+writes (``_write_lock``) and one other reads. Checked against Ray 2.60's
+``CompiledDAG.execute`` / ``CompiledDAGRef.get``: they share the execution counters and the
+result buffers, which ``execute`` (``_try_release_buffers``) changes only for results whose
+refs were dropped unread; every ref here is read before it is dropped, so ``execute`` only
+reads them. A write that fails for want of room (``RayCgraphCapacityExceeded``, raised
+before anything is written) leaves the step to the graph thread; any other failed write may
+have reached some lanes only, so the graph is torn down and the step fails.
 
 NOTE: a graph's reader waits for its next input by polling (Ray 2.60's channel read spins
 on ``sched_yield``): measured on the 2-core machine, an idle lane's graph loop used 97% of a
@@ -36,6 +40,7 @@ from concurrent.futures import Future
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
+from ray.exceptions import RayCgraphCapacityExceeded
 
 from cpkv.actors.graphs import IDLE_TEARDOWN_S, compile_unowned, teardown_quietly
 from cpkv.actors.wire import pack, unpack
@@ -47,8 +52,20 @@ __all__ = ["CompiledSteps"]
 logger = logging.getLogger("cpkv.actors.compiled_steps")
 
 _STOP = object()
+# NOTE: a graph's read waits Ray's default of 10 s (RAY_CGRAPH_get_timeout) unless told:
+# a longer step would break the graph. A hung lane is the supervisor's to kill instead.
 _NO_TIMEOUT_S = 7 * 24 * 3600.0
 _BUILD = object()
+
+
+class _WriteFailed:
+    """A step whose write to the graph failed midway (queued for the graph thread to fail
+    and to tear the graph down)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 class CompiledSteps:
@@ -72,6 +89,7 @@ class CompiledSteps:
         # Held while a step is written and while the graph is swapped in or out.
         self._write_lock = threading.Lock()
         self._num_unwritten = 0  # queued steps the graph thread must write (in order)
+        self._closed = False
         self.num_builds = 0
         self.num_runs = 0
         self.num_breaks = 0  # runs the graph could not answer (a lane died, a build failed)
@@ -97,20 +115,28 @@ class CompiledSteps:
         """
         futures: list[Future] = [Future() for _ in self._lanes]
         with self._write_lock:
-            refs = None
-            if self._graph is not None and self._num_unwritten == 0:
-                try:
-                    refs = self._write(packet)
-                except Exception as e:  # a broken graph: the graph thread answers the step
-                    logger.debug("compiled steps: write failed (%s: %s)", type(e).__name__, e)
-            if refs is None:
-                self._num_unwritten += 1
-            self._queue.put((packet, futures, refs))
+            closed = self._closed
+            if not closed:
+                graph, refs = self._graph, None
+                if graph is not None and self._num_unwritten == 0:
+                    try:
+                        refs = self._write(packet)
+                    except RayCgraphCapacityExceeded:  # nothing was written: the thread will
+                        pass
+                    except Exception as e:
+                        refs = _WriteFailed(e)
+                if refs is None or isinstance(refs, _WriteFailed):
+                    self._num_unwritten += 1  # every step behind it waits for the thread
+                self._queue.put((packet, futures, refs, graph))
+        if closed:
+            _abort(futures, "the coordinator's lanes graph is closed")
         return futures
 
     def close(self) -> None:
-        """Tear the graph down (after the steps queued before)."""
-        self._queue.put(_STOP)
+        """Tear the graph down after the steps queued before; steps sent later are aborted."""
+        with self._write_lock:
+            self._closed = True
+            self._queue.put(_STOP)
 
     # ------------------------------------------------------------ graph thread
     def _loop(self) -> None:
@@ -124,49 +150,63 @@ class CompiledSteps:
                 continue
             if item is _STOP:
                 self._teardown()
+                while not self._queue.empty():  # sent after close(): answered, never run
+                    item = self._queue.get()
+                    if isinstance(item, tuple):
+                        _abort(item[1], "the coordinator's lanes graph is closed")
                 return
             if item is _BUILD:
                 if self._graph is None:
                     self._try_build()
                 continue
-            packet, futures, refs = item
-            for future, reply in zip(futures, self._run(packet, refs), strict=True):
+            packet, futures, refs, graph = item
+            for future, reply in zip(futures, self._run(packet, refs, graph), strict=True):
                 future.set_result(reply)
 
     def _write(self, packet: StepPacket) -> list:
         """Write ``packet`` to the graph (write lock held); its answers' refs."""
         return self._graph.execute(pack(packet))
 
-    def _write_queued(self, packet: StepPacket) -> list:
+    def _write_queued(self, packet: StepPacket) -> tuple[list, object]:
         """Write a step that was queued unwritten, building the graph first if need be
-        (outside the write lock: meanwhile steps queue unwritten behind this one)."""
+        (outside the write lock: meanwhile steps queue unwritten behind this one).
+
+        Returns:
+            The answers' refs and the graph written to.
+        """
         try:
             if self._graph is None:
                 self._build()
         except BaseException:
-            with self._write_lock:
-                self._num_unwritten -= 1
+            self._written()
             raise
         with self._write_lock:
             self._num_unwritten -= 1  # written or failed: either way no longer pending
-            return self._write(packet)
+            return self._write(packet), self._graph
 
-    def _run(self, packet: StepPacket, refs: list | None) -> list[LaneReply]:
-        """The lanes' answers to a step (written already when ``refs`` is not ``None``)."""
+    def _written(self) -> None:
+        with self._write_lock:
+            self._num_unwritten -= 1
+
+    def _run(self, packet: StepPacket, refs, graph) -> list[LaneReply]:
+        """The lanes' answers to a step: ``refs`` of the ``graph`` it was written to, or
+        ``None`` (not written yet) or :class:`_WriteFailed`."""
         try:
+            if isinstance(refs, _WriteFailed):
+                self._written()
+                raise refs.error
             if refs is None:
-                refs = self._write_queued(packet)
-            # NOTE: no timeout: a compiled result is read once, and a hung lane is the
-            # supervisor's to kill, which ends this wait with the lane's death.
+                graph = self._graph  # what a failed build or write below tears down
+                refs, graph = self._write_queued(packet)
             # NOTE: packed both ways (cpkv.actors.wire): an unpacked reply owns its arrays.
             # One read from a channel may stay a view of its shared buffer, which the lanes
             # then cannot write again while an answer is remembered (seen: the eleventh step
             # hung, with the graph's ten buffers held).
-            replies = [unpack(r) for r in ray.get(refs)]
+            replies = [unpack(r) for r in ray.get(refs, timeout=_NO_TIMEOUT_S)]
         except Exception as e:  # the graph broke (a lane died) or could not be built
             logger.warning("compiled steps: %s: %s; rebuilt at the next step", type(e).__name__, e)
             self.num_breaks += 1
-            self._teardown()
+            self._teardown(graph)
             dead = self._lane_of(e)
             detail = f"{type(e).__name__}: {str(e)[:300]}"
             return [
@@ -206,14 +246,15 @@ class CompiledSteps:
             "compiled steps: graph %d built in %.2fs", self.num_builds, time.perf_counter() - t0
         )
 
-    def _teardown(self, only_if_idle: bool = False) -> bool:
-        """Tear the graph down (no step is written to it from here on); with
-        ``only_if_idle``, only when no step was queued meanwhile. Whether it was."""
+    def _teardown(self, graph: object = None, only_if_idle: bool = False) -> bool:
+        """Tear ``graph`` down (default: the current one; no step is written to it from here
+        on); with ``only_if_idle``, only when no step was queued meanwhile. Whether it was."""
         with self._write_lock:
             if only_if_idle and not self._queue.empty():
                 return False
-            graph, self._graph = self._graph, None
-        teardown_quietly(graph)
+            if graph is None or graph is self._graph:
+                graph, self._graph = self._graph, None
+        teardown_quietly(graph)  # a graph replaced already was torn down then: no-op
         return graph is not None
 
     def _lane_of(self, error: BaseException) -> int | None:
@@ -227,3 +268,8 @@ class CompiledSteps:
             if lane._actor_id.hex() == actor_id:
                 return r
         return None
+
+
+def _abort(futures: list[Future], why: str) -> None:
+    for future in futures:
+        future.set_result(LaneReply(error=StepAborted(why)))

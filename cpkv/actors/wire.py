@@ -51,7 +51,7 @@ def pack(obj: Any) -> bytes:
     try:
         _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
         return buf.getvalue()
-    except (pickle.PicklingError, TypeError, AttributeError):
+    except (pickle.PicklingError, TypeError, AttributeError, ValueError, BufferError):
         from ray import cloudpickle
 
         return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -70,10 +70,19 @@ def _array(data: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _reduce_array(a: np.ndarray) -> tuple:
-    if a.dtype.hasobject or a.dtype.names is not None or a.dtype.subdtype is not None:
-        return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # numpy's own for the rare kinds
-    if not a.flags.c_contiguous:
+    dtype = a.dtype
+    if (
+        dtype.hasobject
+        or dtype.names is not None
+        or dtype.subdtype is not None
+        or dtype.kind in "mM"
+    ):
+        # numpy's own for the rare kinds (a buffer cannot carry datetimes, say)
+        return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    if not a.flags.c_contiguous:  # crosses in C order
+        writeable = a.flags.writeable
         a = np.ascontiguousarray(a)
+        a.flags.writeable = writeable
     # NOTE: in band, a PickleBuffer of a writable array unpickles as a bytearray (a writable
     # array), of a read-only one as bytes (a read-only one): numpy's own behaviour.
     return _array, (pickle.PickleBuffer(a), a.dtype.str, a.shape)
