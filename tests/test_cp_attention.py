@@ -501,6 +501,12 @@ def test_step_plan_matches_a_direct_walk() -> None:
         (dict(prefix_len=0, extend_len=1, pages=[[5]]), "1-D"),
         (dict(prefix_len=0, extend_len=1, pages=[-3]), "negative page id -3"),
         (dict(prefix_len=0, extend_len=1, pages=[1.0]), "integers"),
+        (dict(prefix_len=0, extend_len=1, pages=np.array([True])), "integers"),
+        (dict(prefix_len=0, extend_len=1, pages=np.array([2**31])), "beyond int32"),
+        (dict(prefix_len=0, extend_len=1, pages=np.array([2**32], np.uint64)), "beyond int32"),
+        (dict(prefix_len=0, extend_len=1, pages=np.array([2**31], np.uint32)), "beyond int32"),
+        (dict(prefix_len=0, extend_len=True, pages=[5]), "extend_len=True"),
+        (dict(prefix_len=np.int64(-2), extend_len=1, pages=[5]), "prefix_len=-2"),
     ],
 )
 def test_step_request_rejects(kwargs: dict, match: str) -> None:

@@ -103,12 +103,16 @@ class StepSequence:
         pages = np.asarray(self.pages)
         if pages.ndim != 1:
             raise ValueError(f"pages must be 1-D, got shape {pages.shape}")
-        if pages.size and (pages.dtype == np.bool_ or not np.issubdtype(pages.dtype, np.integer)):
-            raise ValueError(f"pages must hold integers, got dtype {pages.dtype}")
-        if pages.size and int(pages.min()) < 0:
-            raise ValueError(f"pages holds a negative page id {int(pages.min())}")
-        if pages.size and int(pages.max()) > np.iinfo(np.int32).max:
-            raise ValueError(f"pages holds page id {int(pages.max())} beyond int32")
+        if pages.size:
+            dtype = pages.dtype
+            if dtype.kind not in "iu":  # bools are kind "b"
+                raise ValueError(f"pages must hold integers, got dtype {dtype}")
+            # NOTE: only the reductions a dtype needs (a step builds one sequence per request).
+            if dtype.kind == "i" and int(pages.min()) < 0:
+                raise ValueError(f"pages holds a negative page id {int(pages.min())}")
+            wide = dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4)
+            if wide and int(pages.max()) > np.iinfo(np.int32).max:
+                raise ValueError(f"pages holds page id {int(pages.max())} beyond int32")
         pages = pages.astype(np.int32, copy=True)
         pages.setflags(write=False)
         object.__setattr__(self, "pages", pages)

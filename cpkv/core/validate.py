@@ -37,9 +37,10 @@ def check_rids(rids: object, *, what: str = "rids") -> list[str | int]:
 
 def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     """Return ``value`` as int, or raise InvalidRequestError naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidRequestError(f"{name}={value!r} must be an integer")
-    value = int(value)
+    if type(value) is not int:  # the common case skips the ABC check (bool is not int here)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise InvalidRequestError(f"{name}={value!r} must be an integer")
+        value = int(value)
     if minimum is not None and value < minimum:
         raise InvalidRequestError(f"{name}={value} must be >= {minimum}")
     return value
