@@ -246,8 +246,8 @@ def test_a_client_process_that_exits_never_takes_the_coordinator_with_it(make_cl
 
     from tests.conftest import DEFAULTS
 
-    opts = {**DEFAULTS, "cp_size": 1, "num_pages_per_lane": 48}
-    c = make_client(fresh=True, compiled_steps=True, **opts)
+    opts = {**DEFAULTS, "cp_size": 1, "num_pages_per_lane": 48, "compiled_steps": True}
+    c = make_client(fresh=True, **opts)
     del opts["heartbeat_s"], opts["num_gpus_per_lane"]
     epoch = c.stats()["epoch"]
     address = ray.get_runtime_context().gcs_address
