@@ -1,13 +1,14 @@
 """Step latency: what a tiny prefill and a decode step cost beside the rounds they are made of.
 
-For each cp: the median of a prefill of a few tokens (and its free), of one decode step of
-one request (with logits, and greedy: ids only), of a bare parallel no-op round to the lanes
+For each cp: the median of a prefill of a few tokens (and its free; with logits, and greedy:
+the next token only, alternating), of one decode step of one request (with logits, and
+greedy: ids only), of a bare parallel no-op round to the lanes
 and of a no-op call to the coordinator, all in this one run, on a model preset with random
 weights. A prefill's fixed cost is its wall time less its slowest lane's step: the control
 path (client -> coordinator -> lanes -> client) with no lane computing.
 
     python benchmarks/bench_steps.py [--cp 1,4] [--dispatch calls,compiled,graph]
-        [--model tiny] [--tokens 16] [--iters 40]
+        [--model tiny] [--vocab N] [--dtype bfloat16] [--tokens 16] [--iters 40]
 
 ``--dispatch``: how steps travel, one row each, side by side: ``calls`` (an actor call to
 the coordinator, one per lane from it), ``compiled`` (the coordinator's steps to the lanes
@@ -19,6 +20,7 @@ a compiled graph of its own too: ``cpkv.connect(compiled_steps=True)``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -42,6 +44,10 @@ def _point(args, cp: int, dispatch: str) -> dict:
     from cpkv.models import preset_config
 
     config = preset_config(args.model)
+    if args.vocab:  # a big vocabulary's logits on a small model (the 1B's: 128256)
+        config = dataclasses.replace(config, vocab_size=args.vocab)
+    if args.dtype:
+        config = dataclasses.replace(config, dtype=args.dtype)
     client = cpkv.connect(
         args.address,
         cp_size=cp,
@@ -67,10 +73,10 @@ def _point(args, cp: int, dispatch: str) -> dict:
             client.prefill(rid, prompt)
             client.free(rid, cache=False)
 
-        def prefill_only():
+        def prefill_only(greedy: bool = False):
             rid = next(n)
             t0 = time.perf_counter()
-            res = client.prefill(rid, prompt)
+            res = client.prefill(rid, prompt, greedy=greedy)
             dt = time.perf_counter() - t0
             client.free(rid, cache=False)
             return dt, max(res.lane_seconds)
@@ -89,11 +95,14 @@ def _point(args, cp: int, dispatch: str) -> dict:
             decode_step()
             client.ping_lanes()
             ray.get(client._coord.ping.remote())
-        walls, lanes = zip(*(prefill_only() for _ in range(args.iters)), strict=True)
+        # Alternating, so a slower moment of the machine falls on both alike.
+        pairs = [(prefill_only(), prefill_only(greedy=True)) for _ in range(args.iters)]
+        walls, lanes = zip(*(p for p, _ in pairs), strict=True)
         prefill_ms = statistics.median(walls) * 1e3
         lane_ms = statistics.median(lanes) * 1e3
         # The control path's own cost: the wall time no lane was computing.
         fixed_ms = statistics.median(w - s for w, s in zip(walls, lanes, strict=True)) * 1e3
+        greedy_fixed_ms = statistics.median(w - s for _, (w, s) in pairs) * 1e3
         greedy_ms = _median_ms(decode_greedy, args.iters)
         decode_ms = _median_ms(decode_step, args.iters)
         lanes_ms = _median_ms(client.ping_lanes, args.iters)
@@ -108,6 +117,7 @@ def _point(args, cp: int, dispatch: str) -> dict:
         "prefill_ms": prefill_ms,
         "prefill_lane_ms": lane_ms,
         "prefill_fixed_ms": fixed_ms,
+        "prefill_greedy_fixed_ms": greedy_fixed_ms,
         "decode_ms": decode_ms,
         "decode_greedy_ms": greedy_ms,
         "lane_round_ms": lanes_ms,
@@ -125,6 +135,8 @@ def main() -> None:
     )
     parser.add_argument("--model", default="tiny", help="a preset of cpkv.models")
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=None, help="the preset's vocabulary replaced")
+    parser.add_argument("--dtype", default=None, help="the preset's dtype replaced")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--num-gpus-per-lane", type=float, default=None)
@@ -138,18 +150,19 @@ def main() -> None:
     rows = [_point(args, int(cp), d) for cp in args.cp.split(",") for d in dispatches]
     print(f"model {args.model}, prompt {args.tokens} tokens; medians of {args.iters} in this run")
     print(
-        "cp  dispatch  prefill ms  its lanes' step ms  prefill fixed ms  decode ms  "
-        "decode_greedy ms  coordinator round ms  lane round ms"
+        "cp  dispatch  prefill ms  its lanes' step ms  prefill fixed ms  greedy fixed ms  "
+        "decode ms  decode_greedy ms  coordinator round ms  lane round ms"
     )
     for r in rows:
         print(
             f"{r['cp_size']:>2}  {r['dispatch']:>8}  {r['prefill_ms']:>10.2f}  "
             f"{r['prefill_lane_ms']:>18.2f}  {r['prefill_fixed_ms']:>16.2f}  "
-            f"{r['decode_ms']:>9.2f}  "
+            f"{r['prefill_greedy_fixed_ms']:>15.2f}  {r['decode_ms']:>9.2f}  "
             f"{r['decode_greedy_ms']:>16.2f}  {r['coordinator_round_ms']:>20.2f}  "
             f"{r['lane_round_ms']:>13.2f}"
         )
     print("prefill fixed ms: the prefill's wall time less its slowest lane's step (median)")
+    print("greedy fixed ms: the same for prefill(..., greedy=True) (the next token, no logits)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -28,7 +28,8 @@ class PrefillResult:
     """What a prefill step gives back.
 
     Attributes:
-        logits: fp32 ``[vocab]`` of the last new token (``None`` for a probe step).
+        logits: fp32 ``[vocab]`` of the last new token (``None`` for a probe step and for a
+            greedy one).
         allocation: the step's :class:`ExtendAllocation` (``prefix_len`` shows prefix reuse).
         lane_seconds: each lane's time for the whole step (its work plus its waits).
         mode: the attention exchange the step ran (``pass_q`` / ``pass_kv``).
@@ -39,6 +40,8 @@ class PrefillResult:
             kernels, all layers); the rest of ``lane_seconds`` is the model's other layers.
         lane_exchange_bytes: bytes each lane received from the others in the step's CP
             attention exchanges (all layers).
+        next_token: a greedy step's next token (the argmax of the logits, taken on the lane
+            that computed them); ``None`` otherwise.
     """
 
     logits: np.ndarray | None
@@ -49,6 +52,7 @@ class PrefillResult:
     lane_wait_seconds: list[float] = field(default_factory=list)
     lane_attention_seconds: list[float] = field(default_factory=list)
     lane_exchange_bytes: list[int] = field(default_factory=list)
+    next_token: int | None = None
 
 
 def prefill_results(
@@ -57,8 +61,10 @@ def prefill_results(
     """One :class:`PrefillResult` per request of a prefill step, from every lane's result
     (in lane order) and the step's allocations (in request order)."""
     logits: dict[int, np.ndarray] = {}
+    next_tokens: dict[int, int] = {}
     for res in results:
         logits.update({b: widen_logits(row, res.logits_dtype) for b, row in res.logits.items()})
+        next_tokens.update(res.next_tokens)
     lane_s = [res.compute_s for res in results]
     wait_s = [res.wait_s for res in results]
     attn_s = [res.attention_s for res in results]
@@ -71,7 +77,8 @@ def prefill_results(
     for b, alloc in enumerate(allocs):
         part = None if probe is None else probe[start : start + alloc.extend_len]
         start += alloc.extend_len
-        made.append(PrefillResult(logits.get(b), alloc, lane_s, mode, part, wait_s, attn_s, xbytes))
+        row, token = logits.get(b), next_tokens.get(b)
+        made.append(PrefillResult(row, alloc, lane_s, mode, part, wait_s, attn_s, xbytes, token))
     return made
 
 

@@ -96,6 +96,29 @@ def test_generate_equals_transformers_greedy(make_client, hf_llama, cp):
     c.free("g")
 
 
+@pytest.mark.parametrize("cp", [1, 3], ids=lambda c: f"cp{c}")
+def test_a_greedy_prefill_answers_the_argmax_of_transformers_logits(make_client, hf_llama, cp):
+    from cpkv import InvalidRequestError
+
+    c = make_client(cp_size=cp, num_pages_per_lane=40, model=hf_llama)
+    rng = np.random.default_rng(11 + cp)
+    prompt = rng.integers(0, VOCAB, size=33)
+    res = c.prefill("greedy", prompt, greedy=True)
+    assert res.logits is None and res.next_token == int(np.argmax(hf_logits(hf_llama, prompt)))
+    chunk = rng.integers(0, VOCAB, size=7)  # a later chunk: its last token is elsewhere
+    res = c.prefill("greedy", chunk, greedy=True)
+    whole = np.concatenate([prompt, chunk])
+    assert res.next_token == int(np.argmax(hf_logits(hf_llama, whole)))
+    plain = c.prefill("plain", prompt)
+    assert plain.next_token is None and plain.logits is not None
+    for bad, match in (({"greedy": 1}, "greedy=1"), ({"greedy": True, "probe": ()}, "probe")):
+        with pytest.raises(InvalidRequestError, match=match):
+            c.prefill("bad", prompt, **bad)
+    assert c.stats()["num_requests"] == 2  # refused on the caller's side: nothing allocated
+    c.free("greedy")
+    c.free("plain")
+
+
 def test_a_pool_without_a_model_refuses_prefill(make_client):
     from cpkv import InvalidRequestError
 

@@ -309,18 +309,23 @@ class Coordinator:
         cache_salt=None,
         mode: str = "auto",
         probe=None,
+        sample: bool = False,
     ) -> Any:
         """Allocate one request's prefill step and run it on the lanes (a batch of one).
+
+        Args:
+            sample: the lane answers the greedy next token instead of the logits.
 
         Returns:
             ``{"allocations": [ExtendAllocation], "lanes": [handle per lane]}``: each lane's
             :class:`cpkv.core.steps.StepResult` behind its handle; or the error (nothing is
             run then).
         """
-        digest = _digest("prefill", rid, tokens, cache_salt, mode, probe is not None)
+        digest = _digest("prefill", rid, tokens, cache_salt, mode, probe is not None, bool(sample))
         return self._run_step(
-            epoch, client_id, call_id, "prefill", digest, mode, probe, [(rid, tokens)], cache_salt
-        )
+            epoch, client_id, call_id, "prefill", digest, mode, probe, [(rid, tokens)], cache_salt,
+            sample=bool(sample),
+        )  # fmt: skip
 
     def prefill_batch(
         self,
