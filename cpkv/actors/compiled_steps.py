@@ -178,22 +178,25 @@ class CompiledSteps:
             if self._graph is None:
                 self._build()
         except BaseException:
-            self._written()
+            self._drop_unwritten()
             raise
         with self._write_lock:
             self._num_unwritten -= 1  # written or failed: either way no longer pending
             return self._write(packet), self._graph
 
-    def _written(self) -> None:
+    def _drop_unwritten(self) -> None:
+        """One queued step is no longer waiting to be written (it failed first)."""
         with self._write_lock:
             self._num_unwritten -= 1
 
-    def _run(self, packet: StepPacket, refs, graph) -> list[LaneReply]:
+    def _run(
+        self, packet: StepPacket, refs: list | _WriteFailed | None, graph: object
+    ) -> list[LaneReply]:
         """The lanes' answers to a step: ``refs`` of the ``graph`` it was written to, or
         ``None`` (not written yet) or :class:`_WriteFailed`."""
         try:
             if isinstance(refs, _WriteFailed):
-                self._written()
+                self._drop_unwritten()
                 raise refs.error
             if refs is None:
                 graph = self._graph  # what a failed build or write below tears down
