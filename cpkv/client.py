@@ -811,10 +811,7 @@ class CPKVClient:
         """
         if deadline_s is not None:
             check_float("deadline_s", deadline_s)
-        if not isinstance(greedy, bool):
-            raise InvalidRequestError(f"greedy={greedy!r} must be True or False")
-        if greedy and probe is not None:
-            raise InvalidRequestError("greedy=True needs the pool's model, not a probe")
+        _check_greedy(greedy, probe)
         rid, tokens = self._extend_args(rid, token_ids, cache_salt, step=probe is None)
         mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
@@ -834,12 +831,15 @@ class CPKVClient:
         mode: str | None = None,
         probe=None,
         call_id: Hashable | None = None,
+        greedy: bool = False,
     ) -> list[PrefillResult]:
-        """Prefill several requests in one step (each sequence split by its own plan)."""
+        """Prefill several requests in one step (each sequence split by its own plan);
+        ``greedy`` as :meth:`prefill`'s."""
+        _check_greedy(greedy, probe)
         checked = self._batch_args(items, cache_salt, "prefill_batch", step=probe is None)
         mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
-        out = self._step("prefill_batch", checked, cache_salt, mode, probe, call_id=call_id)
+        out = self._step("prefill_batch", checked, cache_salt, mode, probe, greedy, call_id=call_id)
         self._rids.update(rid for rid, _ in checked)
         for rid, _ in checked:
             self._held.pop(rid, None)
@@ -1199,3 +1199,10 @@ def _weakly(method: Callable[..., _T]) -> Callable[..., _T]:
     being renewed: see :class:`_LeaseKeeper`)."""
     ref = weakref.WeakMethod(method)
     return lambda *args: ref()(*args)
+
+
+def _check_greedy(greedy: object, probe: object) -> None:
+    if not isinstance(greedy, bool):
+        raise InvalidRequestError(f"greedy={greedy!r} must be True or False")
+    if greedy and probe is not None:
+        raise InvalidRequestError("greedy=True needs the pool's model, not a probe")

@@ -111,9 +111,20 @@ def test_a_greedy_prefill_answers_the_argmax_of_transformers_logits(make_client,
     assert res.next_token == int(np.argmax(hf_logits(hf_llama, whole)))
     plain = c.prefill("plain", prompt)
     assert plain.next_token is None and plain.logits is not None
+    # A batch: each request's token from whichever lane computed its last token.
+    batch = {f"b{i}": rng.integers(0, VOCAB, size=n) for i, n in enumerate((5, 19, 12))}
+    got = c.prefill_batch(list(batch.items()), greedy=True)
+    assert [r.next_token for r in got] == [
+        int(np.argmax(hf_logits(hf_llama, toks))) for toks in batch.values()
+    ]
+    assert all(r.logits is None for r in got)
+    for rid in batch:
+        c.free(rid)
     for bad, match in (({"greedy": 1}, "greedy=1"), ({"greedy": True, "probe": ()}, "probe")):
         with pytest.raises(InvalidRequestError, match=match):
             c.prefill("bad", prompt, **bad)
+        with pytest.raises(InvalidRequestError, match=match):
+            c.prefill_batch([("bad", prompt)], **bad)
     assert c.stats()["num_requests"] == 2  # refused on the caller's side: nothing allocated
     c.free("greedy")
     c.free("plain")

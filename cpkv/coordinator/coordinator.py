@@ -336,12 +336,14 @@ class Coordinator:
         cache_salt=None,
         mode: str = "auto",
         probe=None,
+        sample: bool = False,
     ) -> Any:
         """:meth:`prefill` of several requests in one step (each with its own owner plan)."""
-        digest = _digest("prefill_batch", _items_digest(items), cache_salt, mode)
+        digest = _digest("prefill_batch", _items_digest(items), cache_salt, mode, bool(sample))
         return self._run_step(
-            epoch, client_id, call_id, "prefill", digest, mode, probe, items, cache_salt
-        )
+            epoch, client_id, call_id, "prefill", digest, mode, probe, items, cache_salt,
+            sample=bool(sample),
+        )  # fmt: skip
 
     def decode(
         self,
