@@ -11,20 +11,13 @@ Prints medians in milliseconds and the ordinary / compiled ratios.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
+from _timing import median_seconds  # benchmarks/, the script's own folder
 
-def median_ms(fn: Callable[[], object], iters: int, warmup: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+
+def median_ms(fn: Callable[[], object], iters: int) -> float:
+    return median_seconds(fn, iters, warmup=20) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,15 +26,11 @@ import statistics
 import time
 
 import numpy as np
+from _timing import median_seconds  # benchmarks/, the script's own folder
 
 
 def _median_ms(fn, iters: int) -> float:
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out) * 1e3
+    return median_seconds(fn, iters) * 1e3
 
 
 def _point(args, cp: int, dispatch: str) -> dict:

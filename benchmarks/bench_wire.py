@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import pickle
 import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
+from _timing import median_seconds  # benchmarks/, the script's own folder
 
 from cpkv.actors.wire import pack, unpack
 from cpkv.core.allocator import CPAllocator
@@ -27,12 +27,7 @@ _VOCAB_1B = 128256  # Llama 3.2 1B
 
 
 def _median_us(fn: Callable[[], object], iters: int) -> float:
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out) * 1e6
+    return median_seconds(fn, iters) * 1e6
 
 
 def _prefill_packet(tokens: int, cp: int) -> StepPacket:

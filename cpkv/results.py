@@ -61,10 +61,9 @@ def prefill_results(
     """One :class:`PrefillResult` per request of a prefill step, from every lane's result
     (in lane order) and the step's allocations (in request order)."""
     logits: dict[int, np.ndarray] = {}
-    next_tokens: dict[int, int] = {}
     for res in results:
         logits.update({b: widen_logits(row, res.logits_dtype) for b, row in res.logits.items()})
-        next_tokens.update(res.next_tokens)
+    next_tokens = _next_tokens(results)
     lane_s = [res.compute_s for res in results]
     wait_s = [res.wait_s for res in results]
     attn_s = [res.attention_s for res in results]
@@ -128,10 +127,16 @@ def _widen_into(out: np.ndarray, rows: np.ndarray, dtype: str) -> None:
 
 def decode_samples(results: list[StepResult], num_rids: int) -> np.ndarray:
     """A sampling decode step's answer: ``int64 [num_rids]`` next tokens from the lanes."""
-    ids = {}
+    ids = _next_tokens(results)
+    return np.array([ids[i] for i in range(num_rids)], dtype=np.int64)
+
+
+def _next_tokens(results: list[StepResult]) -> dict[int, int]:
+    """A sampling step's next token per sequence, from whichever lane computed it."""
+    ids: dict[int, int] = {}
     for res in results:
         ids.update(res.next_tokens)
-    return np.array([ids[i] for i in range(num_rids)], dtype=np.int64)
+    return ids
 
 
 def _assemble_probe(results: list[StepResult], num_tokens: int) -> np.ndarray:

@@ -46,9 +46,8 @@ def _stamp_all(actor, targets):
         if path.startswith("mod:"):  # a module's function: "mod:package.module.function"
             import importlib
 
-            path, _, name = path[4:].rpartition(".")
-            obj, parents = importlib.import_module(path), []
-            path = name
+            module, _, path = path[4:].rpartition(".")
+            obj = importlib.import_module(module)
         *parents, name = path.split(".")
         for p in parents:
             obj = getattr(obj, p)

@@ -2,7 +2,7 @@
 # GPU box, one call: this session's step-path changes ("new" = the working tree: the wire's
 # dispatch table, rotation owners on ints, steps written by the queuing thread) against the
 # code before them ("base" = .scratch/base, `git archive d1f53ec cpkv` plus this session's
-# timeline script and bench_steps.py), alternating. Carry .whl and .scratch/base.
+# timeline script, bench_steps.py and, since, the benchmarks' _timing.py), alternating. Carry .whl and .scratch/base.
 set -u
 . scripts/_gpu_env.sh
 ROOT=$PWD
