@@ -36,11 +36,27 @@ GPUS_PER_LANE = 0.5 if not CUDA_DEVICES else 0.05
 LANE_ENV = {"TRITON_INTERPRET": "0"}
 
 
+def _uses_shared_ray(item) -> bool:
+    return item.get_closest_marker("ray") is not None or "ray_session" in getattr(
+        item, "fixturenames", ()
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list) -> None:
     """Tests that want a quiet Ray run first, before any pooled client exists: otherwise
     :func:`quiet_ray` shuts the pools down and the next tests start them again (a cp=4
-    pool costs ~8 s on 2 cores)."""
+    pool costs ~8 s on 2 cores).
+
+    Under ``pytest -n N --dist loadgroup`` (``scripts/run_tests.py``) every test of the
+    shared Ray is one group, run by one worker in this order with the session's one Ray and
+    its pools; the others (kernels under the interpreter, the decision core's state
+    machines) run on the other workers meanwhile.
+    """
     items.sort(key=lambda item: "quiet_ray" not in getattr(item, "fixturenames", ()))
+    for item in items:
+        if _uses_shared_ray(item):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")
