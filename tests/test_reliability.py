@@ -212,6 +212,34 @@ def test_replies_are_bounded_in_bytes_and_a_dropped_reply_is_never_rerun():
     assert coord._core.request_len(coord._key("a", "r")) == 8
 
 
+def _walked_put(replies: dict, key, reply, nbytes: int, capacity: int, max_bytes: int) -> None:
+    """The byte bound as a walk over every kept reply, oldest first (the reference)."""
+    replies.pop(key, None)
+    replies[key] = (reply, nbytes)
+    while len(replies) > capacity:
+        del replies[next(iter(replies))]
+    total = sum(size for _, size in replies.values())
+    for k, (_, size) in list(replies.items()):
+        if total <= max_bytes:
+            break
+        if size:
+            replies[k] = (DROPPED, 0)
+            total -= size
+
+
+def test_the_byte_bound_drops_the_oldest_sized_replies_as_a_walk_would():
+    rng = np.random.default_rng(7)
+    cache, walked = ReplyCache(16, max_bytes=1000), {}
+    for i in range(2000):
+        key = int(rng.integers(0, 40))  # repeats re-put a key, as a retried call id would
+        nbytes = int(rng.choice([0, 0, 100, 300, 1200]))
+        cache.put(key, f"r{i}", tag="t", nbytes=nbytes)
+        _walked_put(walked, key, f"r{i}", nbytes, 16, 1000)
+        assert {k: cache.get(k) for k in walked} == {k: r for k, (r, _) in walked.items()}
+        assert cache.nbytes == sum(size for _, size in walked.values()) <= 1000
+        assert len(cache) == len(walked) <= 16
+
+
 # ---------------------------------------------------------------- namespaces (19.4)
 def test_two_clients_requests_of_one_name_never_meet():
     coord, _ = make()

@@ -431,9 +431,10 @@ class Coordinator:
             answer["lanes"] = handles
             return answer
 
-        answer = self._call(
-            epoch, client_id, call_id, op, decide_and_submit, digest, self._step_reply_bytes
-        )
+        # A sampled step's answer holds token ids only: nothing worth counting against the
+        # replies' byte bound.
+        size = None if sample else self._step_reply_bytes
+        answer = self._call(epoch, client_id, call_id, op, decide_and_submit, digest, size)
         if isinstance(answer, dict):
             # The sender submits the steps after the lock is released (a compiled graph
             # answers them: the lanes' results come back here); the remembered answer (the

@@ -39,7 +39,7 @@ class ReplyCache:
             (their keys stay, so a repeat is still recognised, never run twice).
     """
 
-    __slots__ = ("_replies", "capacity", "max_bytes", "nbytes", "num_hits")
+    __slots__ = ("_replies", "_sized", "capacity", "max_bytes", "nbytes", "num_hits")
 
     def __init__(self, capacity: int, max_bytes: int | None = None) -> None:
         assert capacity >= 1, capacity
@@ -47,6 +47,9 @@ class ReplyCache:
         self.capacity = capacity
         self.max_bytes = max_bytes
         self._replies: OrderedDict[Hashable, tuple[Any, Any, int]] = OrderedDict()
+        # NOTE: the keys whose reply still holds bytes, oldest first, so the byte bound drops
+        # them without walking the dropped ones (a walk cost ~150 us a put with 1024 kept).
+        self._sized: OrderedDict[Hashable, None] = OrderedDict()
         self.nbytes = 0
         self.num_hits = 0
 
@@ -70,24 +73,29 @@ class ReplyCache:
     def put(self, key: Hashable, reply: Any, *, tag: Any = None, nbytes: int = 0) -> Any:
         """Remember ``reply`` (of ``nbytes``) for ``key`` with ``tag``; returns it."""
         old = self._replies.pop(key, None)
-        if old is not None:
+        if old is not None and old[2]:
             self.nbytes -= old[2]
+            del self._sized[key]
         self._replies[key] = (reply, tag, nbytes)
-        self.nbytes += nbytes
+        if nbytes:
+            self.nbytes += nbytes
+            self._sized[key] = None
         while len(self._replies) > self.capacity:
-            _, (_, _, size) = self._replies.popitem(last=False)
-            self.nbytes -= size
-        if self.max_bytes is not None and self.nbytes > self.max_bytes:
-            for k, (_reply, old_tag, size) in self._replies.items():
-                if size:
-                    self._replies[k] = (DROPPED, old_tag, 0)
-                    self.nbytes -= size
-                    if self.nbytes <= self.max_bytes:
-                        break
+            oldest, (_, _, size) = self._replies.popitem(last=False)
+            if size:
+                self.nbytes -= size
+                del self._sized[oldest]
+        if self.max_bytes is not None:
+            while self.nbytes > self.max_bytes:
+                k, _ = self._sized.popitem(last=False)
+                _reply, old_tag, size = self._replies[k]
+                self._replies[k] = (DROPPED, old_tag, 0)
+                self.nbytes -= size
         return reply
 
     def clear(self) -> None:
         self._replies.clear()
+        self._sized.clear()
         self.nbytes = 0
 
     def __len__(self) -> int:

@@ -17,7 +17,7 @@ coordinator and lane processes (``__ray_call__``), and prints the median of each
     coordinator -> client       run_step's return written, read by the client
 
 Run from the repository root: ``PYTHONPATH=. python docs/gpu-run/step-timeline/timeline_step.py
-[--model tiny] [--vocab N] [--iters 60]``.
+[--model tiny] [--vocab N] [--iters 60] [--greedy]``.
 """
 
 import argparse
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--num-gpus-per-lane", type=float, default=None)
     ap.add_argument("--vocab", type=int, default=None, help="the preset's vocabulary replaced")
     ap.add_argument("--dtype", default=None, help="the preset's dtype replaced")
+    ap.add_argument("--greedy", action="store_true", help="prefill(..., greedy=True)")
     args = ap.parse_args()
     config = preset_config(args.model)
     if args.vocab:  # a big vocabulary's logits on a small model (the 1B's: 128256)
@@ -130,12 +131,12 @@ def main() -> None:
 
     graph.run = timed_run
     for i in range(5):  # warm-up: builds, first runs
-        c.prefill(f"w{i}", prompt)
+        c.prefill(f"w{i}", prompt, greedy=args.greedy)
         c.free(f"w{i}", cache=False)
     client.clear()
     ray.get([coord.__ray_call__.remote(_clear), lane.__ray_call__.remote(_clear)])
     for i in range(args.iters):
-        c.prefill(i, prompt)
+        c.prefill(i, prompt, greedy=args.greedy)
         c.free(i, cache=False)
     co = ray.get(coord.__ray_call__.remote(lambda a: a._stamps))
     la = ray.get(lane.__ray_call__.remote(lambda a: a._stamps))
@@ -165,7 +166,8 @@ def main() -> None:
         "coordinator -> client": [client[i][1] - co["run_step"][i][1] for i in range(n)],
         "client round (total)": [client[i][1] - client[i][0] for i in range(n)],
     }
-    print(f"model {args.model}, cp 1, {args.tokens}-token prefill, medians of {n} (ms)")
+    kind = "greedy " if args.greedy else ""
+    print(f"model {args.model}, cp 1, {args.tokens}-token {kind}prefill, medians of {n} (ms)")
     for key, values in legs.items():
         print(f"{key:<36} {statistics.median(values) * 1e3:8.3f}")
     over = [
