@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# H200, one call: the step path's fixed cost with greedy prefills (issue 22 item 2), the
+# GPU (asked for nvidia-h200; an H100 came), one call: the step path's fixed cost with greedy prefills (issue 22 item 2), the
 # attention table and the cp=1 1B prefill against transformers (issue 20). Carry .whl.
 set -u
 . scripts/_gpu_env.sh
