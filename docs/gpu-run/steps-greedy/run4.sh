@@ -19,5 +19,5 @@ prof() {  # tag extra-py-spy-flags...
   wait
 }
 prof plain --nonblocking
-prof native --native
+[ "${NATIVE:-1}" = 1 ] && prof native --native
 tail -2 "$OUT"/loop-*.txt; ls -la "$OUT"
