@@ -16,7 +16,7 @@ import pytest
 
 def _worker_args(args: list[str]) -> list[str]:
     workers = int(os.environ.get("CPKV_TEST_WORKERS", "2"))
-    asked = any(a == "-n" or a.startswith(("-n", "--numprocesses", "--dist")) for a in args)
+    asked = any(a.startswith(("-n", "--numprocesses", "--dist")) for a in args)
     if workers <= 1 or asked or importlib.util.find_spec("xdist") is None:
         return []
     return ["-n", str(workers), "--dist", "loadgroup"]

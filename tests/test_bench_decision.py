@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,4 +32,5 @@ def test_the_decision_bench_prints_a_row_per_cp():
     for row in rows:
         prefill_us, free_us, core_us = map(float, row[1:4])
         assert prefill_us > 0 and free_us > 0 and core_us > 0
-        assert row[4].endswith("x"), row
+        ratio = float(row[4].removesuffix("x"))
+        assert ratio == pytest.approx((prefill_us + free_us) / core_us, rel=0.01), row
