@@ -112,6 +112,10 @@ def _key(opts: dict) -> tuple:
 _DEFAULT_KEY = _key(DEFAULTS)
 
 
+def _compiled(key: tuple) -> bool:
+    return bool(dict(key).get("compiled_steps"))
+
+
 @pytest.fixture(scope="session")
 def _client_pool(ray_session):
     """Clients by configuration, kept for the session (starting lanes costs seconds); the
@@ -122,8 +126,22 @@ def _client_pool(ray_session):
         client.shutdown()
 
 
+@pytest.fixture(scope="module")
+def _module_shapes(_client_pool):
+    """The pooled shapes a module asked for; when it ends, their pools other than the default
+    shape are shut down. Modules hardly share them (one that did found its pool evicted by
+    then), and an idle pool is not free: its coordinator heartbeats every lane each
+    ``heartbeat_s`` (~0.1 core for a cp=4 pool), on the 2 cores the other tests run on."""
+    shapes: set = set()
+    yield shapes
+    for key in shapes - {_DEFAULT_KEY}:
+        client = _client_pool.pop(key, None)
+        if client is not None:
+            client.shutdown()
+
+
 @pytest.fixture
-def make_client(_client_pool):
+def make_client(_client_pool, _module_shapes):
     """Give a client of the asked shape, reset to an empty pool.
 
     ``fresh=True`` makes a new coordinator and lanes, shut down after the test
@@ -132,15 +150,24 @@ def make_client(_client_pool):
     import cpkv
 
     own = []
+    handed: set = set()  # the pooled shapes this test has
 
     def make(fresh: bool = False, **kwargs):
         opts = {**DEFAULTS, **kwargs}
+        key = _key(opts)
+        # NOTE: a compiled pool's graphs poll for their next step (a core a lane, and the
+        # coordinator's once a step ran) until ~10 s after its last step: one left in the
+        # cache by an earlier test is shut down as soon as a test asks for another pool.
+        keep = {key, _DEFAULT_KEY, *handed}
+        for idle in [k for k in _client_pool if _compiled(k) and k not in keep]:
+            _client_pool.pop(idle).shutdown()
         if fresh or "name" in kwargs:
             opts.setdefault("name", f"coord-{uuid.uuid4().hex[:8]}")
             client = cpkv.connect(**opts)
             own.append(client)
             return client
-        key = _key(opts)
+        handed.add(key)
+        _module_shapes.add(key)
         client = _client_pool.pop(key, None)
         if client is None:
             while len(_client_pool) >= MAX_POOLS + (_DEFAULT_KEY in _client_pool):

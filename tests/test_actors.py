@@ -18,9 +18,14 @@ from cpkv import CPAllocator, InvalidRequestError, KVCapacityWaitError
 from cpkv.actors.pool import _ACTOR_ENV
 from cpkv.actors.wire import pack, unpack
 
-from .conftest import CUDA_DEVICES, DEFAULTS, NUM_GPUS
+from .conftest import CUDA_DEVICES, DEFAULTS, GPUS_PER_LANE, NUM_GPUS
 
 pytestmark = pytest.mark.ray
+
+
+# The capacity tests' small pool (7 usable pages a lane), on whole logical GPUs where there
+# are four: the distinct-GPU test then shares it (a cp=4 pool costs ~8-20 s to start here).
+SMALL = {"num_pages_per_lane": 8, "num_gpus_per_lane": 1 if NUM_GPUS >= 4 else GPUS_PER_LANE}
 
 
 def kv_for(tokens: np.ndarray, positions: np.ndarray, heads=2, dim=8):
@@ -79,7 +84,7 @@ def test_cached_prefix_reads_back_after_free(make_client):
 
 
 def test_capacity_error_crosses_ray_intact(make_client):
-    c = make_client(num_pages_per_lane=8)  # 7 usable a lane
+    c = make_client(**SMALL)  # 7 usable a lane
     c.allocate_extend("hold", np.arange(64))  # 16 pages, 4 a lane
     with pytest.raises(KVCapacityWaitError) as info:
         c.allocate_extend("big", np.arange(1000, 1000 + 64))
@@ -92,7 +97,7 @@ def test_capacity_error_crosses_ray_intact(make_client):
 
 
 def test_backoff_succeeds_once_another_request_frees(make_client):
-    c = make_client(num_pages_per_lane=8)
+    c = make_client(**SMALL)
     c.allocate_extend("hold", np.arange(64))
     timer = threading.Timer(0.4, lambda: c.free("hold", cache=False))
     timer.start()
@@ -105,7 +110,7 @@ def test_backoff_succeeds_once_another_request_frees(make_client):
 
 
 def test_backoff_reraises_at_deadline(make_client):
-    c = make_client(num_pages_per_lane=8)
+    c = make_client(**SMALL)
     c.allocate_extend("hold", np.arange(64))
     t0 = time.monotonic()
     with pytest.raises(KVCapacityWaitError):
@@ -173,7 +178,7 @@ def test_repeated_call_id_allocates_nothing_twice(make_client):
 
 @pytest.mark.skipif(NUM_GPUS < 4, reason="needs 4 (logical) GPUs")
 def test_lanes_get_distinct_logical_gpus(make_client):
-    c = make_client(num_gpus_per_lane=1)
+    c = make_client(**SMALL)  # one whole GPU a lane (NUM_GPUS >= 4 here)
     infos = c.lane_info()
     gpus = [tuple(i["gpu_ids"]) for i in infos]
     assert len(set(gpus)) == 4 and all(len(g) == 1 for g in gpus)

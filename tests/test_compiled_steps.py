@@ -395,6 +395,7 @@ def test_a_compiled_pool_answers_as_an_ordinary_one(make_client):
     from tests.test_lane_attention import close, qkv, reference
 
     c = make_client(cp_size=2, num_pages_per_lane=48, compiled_steps=True)
+    breaks = c.stats()["compiled_graph_breaks"]  # counted since the pool started
     prompt = np.arange(37) % 200
     res = c.prefill("a", prompt, probe=qkv(prompt))
     close(res.attention, reference(prompt, 0))
@@ -404,7 +405,7 @@ def test_a_compiled_pool_answers_as_an_ordinary_one(make_client):
         out = c.decode(["a"], [int(tok)], probe=qkv(more[i : i + 1], len(prompt) + i))
         close(out, reference(seq[: len(prompt) + i + 1], len(prompt) + i))
     stats = c.stats()
-    assert stats["compiled_graph_builds"] >= 1 and stats["compiled_graph_breaks"] == 0
+    assert stats["compiled_graph_builds"] >= 1 and stats["compiled_graph_breaks"] == breaks
     assert stats["moves_in_step_calls"] >= 2
     assert c.check()["ok"], c.check()
     del torch
@@ -430,9 +431,11 @@ def test_a_compiled_graph_is_rebuilt_after_a_lane_dies(make_client):
     from cpkv.errors import LaneUnavailableError, StepFailedError
     from tests.test_lane_attention import close, qkv, reference
 
-    c = make_client(fresh=True, cp_size=2, num_pages_per_lane=48, compiled_steps=True)
+    # The pool of the test above (the lane is back and the graph rebuilt at the end).
+    c = make_client(cp_size=2, num_pages_per_lane=48, compiled_steps=True)
     prompt = np.arange(21) % 200
     c.prefill("a", prompt, probe=qkv(prompt))
+    before = c.stats()  # graph counters run since the pool started; a graph is built now
     ray.kill(c.lanes[1], no_restart=False)
     with pytest.raises((LaneUnavailableError, StepFailedError)):
         c.decode(["a"], [3], probe=qkv(np.array([3]), len(prompt)))
@@ -440,7 +443,8 @@ def test_a_compiled_graph_is_rebuilt_after_a_lane_dies(make_client):
     res = c.prefill("b", prompt, probe=qkv(prompt))
     close(res.attention, reference(prompt, 0))
     stats = c.stats()
-    assert stats["compiled_graph_breaks"] == 1 and stats["compiled_graph_builds"] >= 2
+    assert stats["compiled_graph_breaks"] == before["compiled_graph_breaks"] + 1
+    assert stats["compiled_graph_builds"] >= before["compiled_graph_builds"] + 1
     assert c.check()["ok"]
 
 

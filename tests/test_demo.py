@@ -18,11 +18,10 @@ from cpkv.models.presets import small_config
 from cpkv.tools.demo import DemoConfig, Reference, rel_err, run
 from tests.conftest import GPUS_PER_LANE, LANE_ENV
 
-pytestmark = pytest.mark.ray
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.ray
 def test_demo_under_pressure_checks_every_request(quiet_ray):
     lines: list[str] = []
     # NOTE: a longer step deadline than the CLI's: on 2 shared cores a step can take most
@@ -58,6 +57,7 @@ def test_demo_under_pressure_checks_every_request(quiet_ray):
         assert word in text
 
 
+@pytest.mark.ray
 def test_demo_fails_against_a_wrong_reference(quiet_ray):
     lines: list[str] = []
     cfg = DemoConfig(
@@ -100,7 +100,10 @@ def test_reference_attends_causally_with_gqa():
 
 def test_cli_demo_terminal_shows_only_cpkv_output():
     """``cpkv demo`` in its own process: stdout is the report, stderr is empty without the
-    progress bar (no Ray warnings, no lane log lines, no Python warnings)."""
+    progress bar (no Ray warnings, no lane log lines, no Python warnings).
+
+    NOTE: not marked ``ray``: the demo starts a Ray of its own (``address="local"``), not the
+    shared one, so the test runs on another worker, beside the shared Ray's tests."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(LANE_ENV)  # as the session's lanes (see tests/conftest.py)
     cmd = [

@@ -33,7 +33,9 @@ def wait_for(pred, timeout=30.0, period=0.1):
 
 
 def test_killed_lane_fails_only_its_requests_and_comes_back(make_client):
-    c = make_client(fresh=True)
+    # The session's pool: Ray restarts the lane, the test waits until it is back and agrees
+    # with the mirror, and the next test's reset empties the pool again.
+    c = make_client()
     everywhere = c.allocate_extend("plan", np.arange(64))  # owner plan: pages on all 4 lanes
     assert set((everywhere.new_pages % 4).tolist()) == {0, 1, 2, 3}
     # Single-page requests land on the lane with most free pages, one per lane.
@@ -174,7 +176,7 @@ def test_a_restarting_lane_stalls_no_caller(make_client):
     test_a_restarting_lane_stalls_nobody. Here: the real kill is detected, recorded and
     recovered from, and no call waits for it.
     """
-    c = make_client(fresh=True)
+    c = make_client()  # the session's pool: the lane is back at the end (checked below)
     live = {}
     for i in range(8):  # single-page requests spread over the lanes
         alloc = c.allocate_extend(f"one{i}", [100 + i])
@@ -227,18 +229,21 @@ class _Job:
         return self.client.client_id
 
 
-def test_requests_of_a_dead_job_are_freed_when_its_lease_lapses(make_client):
-    c = make_client(fresh=True, lease_s=1.0)
+def test_requests_of_a_dead_job_are_freed_when_its_lease_lapses(make_client, attach):
+    c = attach(make_client(), lease_s=1.0)  # a client of the session's pool, leased for 1 s
+    before = c.stats()  # lease counters run since the pool started
     c.allocate_extend("mine", np.arange(500, 520))
     job = _Job.remote()
     ray.get(job.run.remote(c.name, 3, 1.0))
     assert c.stats()["num_requests"] == 4
     time.sleep(2.5)  # both leases are renewed in the background meanwhile
-    assert c.stats()["num_requests"] == 4 and c.stats()["leases_expired"] == 0
-    ray.kill(job)
-    wait_for(lambda: c.stats()["leases_expired"] == 3, timeout=20)
     stats = c.stats()
-    assert stats["num_requests"] == 1 and stats["leases_lapsed"] == 1
+    assert stats["num_requests"] == 4 and stats["leases_expired"] == before["leases_expired"]
+    ray.kill(job)
+    wait_for(lambda: c.stats()["leases_expired"] == before["leases_expired"] + 3, timeout=20)
+    stats = c.stats()
+    assert stats["num_requests"] == 1
+    assert stats["leases_lapsed"] == before["leases_lapsed"] + 1
     c.allocate_decode(["mine"])  # the idle creator kept its request
     assert c.check()["ok"]
 

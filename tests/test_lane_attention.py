@@ -50,9 +50,17 @@ def close(got: np.ndarray, want: torch.Tensor) -> None:
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
 
 
+def pool(make_client, cp: int):
+    """A pool of ``cp`` lanes: 48 pages a lane hold these tests at cp 1; at cp 4 the session's
+    default pool (32 pages a lane) holds them too, and is running already (a cp=4 pool costs
+    ~10 s to start on 2 cores)."""
+    return make_client() if cp == 4 else make_client(cp_size=cp, num_pages_per_lane=48)
+
+
 @pytest.mark.parametrize("cp", [1, 2, 3, 4], ids=lambda c: f"cp{c}")
 def test_probe_attention_equals_sdpa(make_client, cp):
-    c = make_client(cp_size=cp, num_pages_per_lane=48)
+    c = pool(make_client, cp)
+    assert c.config.cp_size == cp
     rng = np.random.default_rng(cp)
     for mode in ("pass_q", "pass_kv", "auto"):
         c.reset()
@@ -111,7 +119,7 @@ def test_probe_attention_equals_sdpa(make_client, cp):
 
 
 def test_step_calls_are_one_per_lane_and_kv_never_crosses_the_driver(make_client):
-    c = make_client(cp_size=4, num_pages_per_lane=48)
+    c = pool(make_client, 4)
     prompt = np.arange(64) % 200
     before = c.stats()["lane_moves_by_op"].get("prefill", 0)
     riding_before = c.stats()["moves_in_step_calls"]

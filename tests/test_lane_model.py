@@ -15,6 +15,9 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 97
 
+# NOTE: ``cp`` is module-scoped so that pytest orders the tests by it: each pool (one a cp,
+# a model on every lane) then starts once, not again after the session's pool cache evicted it.
+
 
 @pytest.fixture(scope="session")
 def hf_llama():
@@ -44,7 +47,7 @@ def assert_close(got: np.ndarray, want: np.ndarray) -> None:
     assert rel < 1e-3, rel
 
 
-@pytest.mark.parametrize("cp", [1, 2, 3, 4], ids=lambda c: f"cp{c}")
+@pytest.mark.parametrize("cp", [1, 2, 3, 4], ids=lambda c: f"cp{c}", scope="module")
 def test_prefill_chunks_prefix_reuse_and_decode_equal_transformers(make_client, hf_llama, cp):
     c = make_client(cp_size=cp, num_pages_per_lane=40, model=hf_llama)
     rng = np.random.default_rng(cp)
@@ -79,7 +82,7 @@ def test_prefill_chunks_prefix_reuse_and_decode_equal_transformers(make_client, 
     assert report["ok"], report
 
 
-@pytest.mark.parametrize("cp", [2, 3], ids=lambda c: f"cp{c}")
+@pytest.mark.parametrize("cp", [2, 3], ids=lambda c: f"cp{c}", scope="module")
 def test_generate_equals_transformers_greedy(make_client, hf_llama, cp):
     c = make_client(cp_size=cp, num_pages_per_lane=40, model=hf_llama)
     prompt = np.random.default_rng(7).integers(0, VOCAB, size=21)
@@ -96,7 +99,7 @@ def test_generate_equals_transformers_greedy(make_client, hf_llama, cp):
     c.free("g")
 
 
-@pytest.mark.parametrize("cp", [1, 3], ids=lambda c: f"cp{c}")
+@pytest.mark.parametrize("cp", [1, 3], ids=lambda c: f"cp{c}", scope="module")
 def test_a_greedy_prefill_answers_the_argmax_of_transformers_logits(make_client, hf_llama, cp):
     from cpkv import InvalidRequestError
 

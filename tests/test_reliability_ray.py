@@ -94,7 +94,7 @@ def test_a_lane_that_refuses_a_steps_page_moves_fails_the_step_at_once_and_is_re
     """A lane whose record left the mirror (here: reset behind the coordinator's back, which no
     heartbeat sees on an empty lane) refuses the page move riding in its step call: it must
     leave the group so its peer fails now, not at the collective timeout, and be reset."""
-    c = make_client(cp_size=2, fresh=True)
+    c = make_client(cp_size=2)  # the pool of the test above; its lane 1 is reset and back
     hq, hkv, d = 4, DEFAULTS["num_heads"], DEFAULTS["head_dim"]
     n = 16  # 4 pages, drawn in rotation: both lanes take some
     probe = tuple(torch.randn(n, h, d) for h in (hq, hkv, hkv))
