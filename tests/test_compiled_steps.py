@@ -30,7 +30,7 @@ class CompiledTransport:
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, str, tuple]] = []
-        self.packets: list[tuple[StepPacket, list[Future]]] = []
+        self.packets: list[tuple[StepPacket, Future]] = []
 
     def submit(self, lane: int, method: str, *args: Any) -> Future:
         self.calls.append((lane, method, args))
@@ -44,10 +44,10 @@ class CompiledTransport:
     def done(self, handles: list[Future]) -> list[bool]:
         return [h.done() for h in handles]
 
-    def execute_steps(self, packet: StepPacket) -> list[Future]:
-        futures = [Future() for _ in packet.fences]
-        self.packets.append((packet, futures))
-        return futures
+    def execute_steps(self, packet: StepPacket) -> Future:
+        future: Future = Future()
+        self.packets.append((packet, future))
+        return future
 
 
 @pytest.fixture
@@ -77,8 +77,9 @@ def test_a_compiled_step_carries_each_lanes_moves_and_fence(compiled):
     assert packet.fences == ((gen0, 1), (gen1, 2))
     assert [m[:2] for m in packet.moves[0]] == [(gen0, 2)] and packet.moves[1] is None
     assert packet.step == "step" and packet.epoch == "e"
-    replies[0].set_result(LaneReply(({"lane": 0}, "result 0")))
-    replies[1].set_result(LaneReply(({"lane": 1}, "result 1")))
+    assert not futures[0].done()
+    replies.set_result([LaneReply(({"lane": r}, f"result {r}")) for r in range(2)])
+    assert futures[0].done() and futures[1].exception() is None
     status, result = futures[0].result(timeout=5)
     assert ch.outcome(status, 0) == {"lane": 0} and ch.outcome(result, 0) == "result 0"
     assert ch.done([status, result]) == [True, True]
@@ -98,8 +99,7 @@ def test_a_riding_move_the_lane_refused_is_reported_through_its_reply(compiled):
     futures = ch.submit_steps("step")
     ((_, replies),) = transport.packets
     refused = MovesNotApplied("lane 1: move 1 arrived, expected 3")
-    replies[0].set_result(LaneReply(error=StepAborted("lane 1 left")))
-    replies[1].set_result(LaneReply(error=refused))
+    replies.set_result([LaneReply(error=StepAborted("lane 1 left")), LaneReply(error=refused)])
     _status, result = futures[1].result(timeout=5)
     with pytest.raises(MovesNotApplied):
         ch.outcome(result, 0)
@@ -111,8 +111,7 @@ def test_a_step_error_on_a_lane_is_not_a_move_failure(compiled):
     ch.send_moves(0, np.array([5], I32), np.empty(0, I32), "prefill")
     ch.submit_steps("step")
     ((_, replies),) = transport.packets
-    for reply in replies:
-        reply.set_result(LaneReply(error=RuntimeError("the model failed")))
+    replies.set_result([LaneReply(error=RuntimeError("the model failed"))] * 2)
     assert ch.poll() == []  # the step's own failure fails the step, resets no lane
     assert ch.num_pending == 0
 
@@ -287,8 +286,8 @@ def _packet(step_id: int) -> StepPacket:
     return StepPacket(StepRequest(step_id, "g", (seq,)), (None, None), (("gen", 0),) * 2, "e")
 
 
-def _values(futures: list[Future]) -> list:
-    return [f.result(timeout=10).unwrap() for f in futures]
+def _values(future: Future) -> list:
+    return [reply.unwrap() for reply in future.result(timeout=10)]
 
 
 def _built(steps) -> None:
@@ -336,8 +335,8 @@ def test_a_failed_build_answers_its_steps_and_leaves_none_pending(monkeypatch):
 
     log: list = []
     steps = _steps(monkeypatch, [RuntimeError("a lane is gone"), _Graph(log, 2)])
-    for future in steps.execute(_packet(1)):
-        assert isinstance(future.result(timeout=10).error, LaneDeadError)
+    for reply in steps.execute(_packet(1)).result(timeout=10):
+        assert isinstance(reply.error, LaneDeadError)
     assert steps._num_unwritten == 0 and steps.num_breaks == 1
     assert _values(steps.execute(_packet(2)))[0][1] == "lane 0 step 2"  # built again
     assert log == [("cpkv-graph", 2)]
@@ -354,8 +353,9 @@ def test_a_write_that_fails_midway_fails_its_step_and_the_graph_is_built_again(m
     steps = _steps(monkeypatch, [broken, _Graph(log, 2)])
     steps.start("e")
     _built(steps)
-    for future in steps.execute(_packet(1)):  # it may have reached some lanes: not again
-        assert isinstance(future.result(timeout=10).error, LaneDeadError)
+    # It may have reached some lanes: not written again.
+    for reply in steps.execute(_packet(1)).result(timeout=10):
+        assert isinstance(reply.error, LaneDeadError)
     assert broken.torn_down and steps._num_unwritten == 0 and log == []
     assert _values(steps.execute(_packet(2)))[0][1] == "lane 0 step 2"
     assert log == [("cpkv-graph", 2)] and steps.num_builds == 2
@@ -383,8 +383,8 @@ def test_steps_sent_after_close_are_aborted_not_lost(monkeypatch):
     steps.start("e")
     _built(steps)
     steps.close()
-    for future in steps.execute(_packet(1)):
-        assert isinstance(future.result(timeout=10).error, StepAborted)
+    for reply in steps.execute(_packet(1)).result(timeout=10):
+        assert isinstance(reply.error, StepAborted)
     assert log == []
 
 

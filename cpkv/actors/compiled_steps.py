@@ -103,17 +103,17 @@ class CompiledSteps:
         self._epoch = epoch
         self._queue.put(_BUILD)
 
-    def execute(self, packet: StepPacket) -> list[Future]:
+    def execute(self, packet: StepPacket) -> Future:
         """Send ``packet`` to every lane: written to the graph now when it is built and no
         step queued before is still unwritten, else queued for the graph thread to write.
         Callers keep the order of their calls (the coordinator calls under its lock).
 
         Returns:
-            Per lane, a future of its :class:`LaneReply` (never an exception: a broken graph
-            answers :class:`LaneDeadError` for the lane that died and :class:`StepAborted`
-            for the others).
+            A future of every lane's :class:`LaneReply`, in rank order (never an exception:
+            a broken graph answers :class:`LaneDeadError` for the lane that died and
+            :class:`StepAborted` for the others).
         """
-        futures: list[Future] = [Future() for _ in self._lanes]
+        future: Future = Future()
         with self._write_lock:
             closed = self._closed
             if not closed:
@@ -127,10 +127,10 @@ class CompiledSteps:
                         refs = _WriteFailed(e)
                 if refs is None or isinstance(refs, _WriteFailed):
                     self._num_unwritten += 1  # every step behind it waits for the thread
-                self._queue.put((packet, futures, refs, graph))
+                self._queue.put((packet, future, refs, graph))
         if closed:
-            _abort(futures, "the coordinator's lanes graph is closed")
-        return futures
+            _abort(future, len(self._lanes), "the coordinator's lanes graph is closed")
+        return future
 
     def close(self) -> None:
         """Tear the graph down after the steps queued before; steps sent later are aborted."""
@@ -153,15 +153,14 @@ class CompiledSteps:
                 while not self._queue.empty():  # sent after close(): answered, never run
                     item = self._queue.get()
                     if isinstance(item, tuple):
-                        _abort(item[1], "the coordinator's lanes graph is closed")
+                        _abort(item[1], len(self._lanes), "the coordinator's lanes graph is closed")
                 return
             if item is _BUILD:
                 if self._graph is None:
                     self._try_build()
                 continue
-            packet, futures, refs, graph = item
-            for future, reply in zip(futures, self._run(packet, refs, graph), strict=True):
-                future.set_result(reply)
+            packet, future, refs, graph = item
+            future.set_result(self._run(packet, refs, graph))
 
     def _write(self, packet: StepPacket) -> list:
         """Write ``packet`` to the graph (write lock held); its answers' refs."""
@@ -273,6 +272,5 @@ class CompiledSteps:
         return None
 
 
-def _abort(futures: list[Future], why: str) -> None:
-    for future in futures:
-        future.set_result(LaneReply(error=StepAborted(why)))
+def _abort(future: Future, num_lanes: int, why: str) -> None:
+    future.set_result([LaneReply(error=StepAborted(why)) for _ in range(num_lanes)])

@@ -63,5 +63,5 @@ class CompiledRayLaneTransport(RayLaneTransport):
         super().__init__(lanes)
         self.steps = CompiledSteps(self.lanes)
 
-    def execute_steps(self, packet: StepPacket) -> list[Future]:
+    def execute_steps(self, packet: StepPacket) -> Future:
         return self.steps.execute(packet)

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from cpkv.coordinator.channel import LaneChannel, LaneTransport
+from cpkv.coordinator.channel import LaneChannel, LaneTransport, StepHandles
 from cpkv.coordinator.supervisor import DEAD, RESTARTING, UP, LaneSupervisor
 from cpkv.core.allocator import CPAllocator, ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
@@ -102,7 +102,8 @@ class _InflightStep:
 
     step_id: int
     lengths: list[tuple[Hashable, int]]  # (request key, its length once the step wrote)
-    handles: list[Future]  # per lane, the future of (status handle, result handle)
+    # per lane, the future of (status handle, result handle): a Future or StepHandles
+    handles: list[Future | StepHandles]
 
 
 class Coordinator:
@@ -442,7 +443,7 @@ class Coordinator:
             try:
                 answer["lanes"] = [
                     _result_handle(f.result(timeout=self._timeout_s))
-                    if isinstance(f, Future)
+                    if isinstance(f, (Future, StepHandles))
                     else f
                     for f in answer["lanes"]
                 ]
