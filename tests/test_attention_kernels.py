@@ -377,18 +377,24 @@ def test_paged_attention_strided_queries():
 
 
 def tma_tiles(
-    block_m: int, block_n: int, heads: int, heads_first: bool = False, exp_poly: int = 0
+    block_m: int,
+    block_n: int,
+    heads: int,
+    heads_first: bool = False,
+    exp_poly: int = 0,
+    lazy_rescale: bool = False,
 ) -> dict:
     """Every TMA config replaced by small tiles (the interpreter's cost grows with them)."""
     cfg = tma_mod.TmaConfig(
-        block_m, block_n, heads, 4, 2, heads_first=heads_first, exp_poly=exp_poly
+        block_m, block_n, heads, 4, 2, heads_first, exp_poly=exp_poly, lazy_rescale=lazy_rescale
     )
     return {d: cfg for d in tma_mod.CONFIGS}
 
 
 TMA_TILINGS = {
-    # 2-4 tiles a page; grid (heads, blocks); half the unmasked scores' exp2 by polynomial
-    "m16-n16-heads-first-poly2": (16, 16, 1, True, 2),
+    # 2-4 tiles a page; grid (heads, blocks); half the unmasked scores' exp2 by polynomial;
+    # the output rescaled only when a row's max grew by more than 8
+    "m16-n16-heads-first-poly2-lazy": (16, 16, 1, True, 2, True),
     # page 32: the tile cut to the page; 2 GQA heads a program; a quarter by polynomial
     "m32-n64-2heads-poly4": (32, 64, 2, False, 4),
 }
@@ -397,7 +403,9 @@ TMA_TILINGS = {
 # Each tiling with its own dtype (as DTYPE_TILINGS): every layout meets both at half the cost.
 # (exp_poly 0, every other TMA test's, is the pointer kernel's softmax, tested with it.)
 TMA_DTYPE_TILINGS = [
-    pytest.param(torch.float16, "m16-n16-heads-first-poly2", id="fp16-m16-n16-heads-first-poly2"),
+    pytest.param(
+        torch.float16, "m16-n16-heads-first-poly2-lazy", id="fp16-m16-n16-heads-first-poly2-lazy"
+    ),
     pytest.param(torch.bfloat16, "m32-n64-2heads-poly4", id="bf16-m32-n64-2heads-poly4"),
 ]
 
@@ -429,6 +437,23 @@ def test_tma_path_gqa_and_head_dims(monkeypatch, hq, hkv, d):
     scale = d**-0.5
     assert_attention_close(
         run_kernel(x, scale), naive.paged_partial_attention(*x.args(), scale), torch.bfloat16
+    )
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["rescale-always", "lazy-rescale"])
+def test_tma_path_follows_a_max_that_grows_by_small_and_large_steps(monkeypatch, lazy):
+    # Keys scaled up page by page (x0.5, 1, 4, 8): each query's max grows from tile to tile
+    # by less than 8 (in the exp2 domain: no rescale with lazy_rescale) and by more (one).
+    monkeypatch.setattr(tma_mod, "MODE", "always")
+    monkeypatch.setattr(tma_mod, "CONFIGS", tma_tiles(16, 16, 1, lazy_rescale=lazy))
+    ps = 32
+    seqs = [Seq(list(range(4 * ps, 4 * ps + 20)), in_order(0, 4 * ps + 20, ps))]
+    x = build(seqs, ps, hq=4, hkv=2, d=32, dtype=torch.float16, seed=11)
+    for page, factor in enumerate([0.5, 1.0, 4.0, 8.0]):
+        x.k[x.page_table[page]] *= factor
+    scale = 32**-0.5
+    assert_attention_close(
+        run_kernel(x, scale), naive.paged_partial_attention(*x.args(), scale), torch.float16
     )
 
 

@@ -121,6 +121,23 @@ if HAS_TRITON:
         return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
     @triton.jit
+    def softmax_tile_lazy(qk, m_i, l_i, acc, qk_scale, EXP_POLY: tl.constexpr = 0):
+        # softmax_tile's unmasked step that rescales the output only when some row's max
+        # grew by more than 8 (FlashAttention-4's trick): else the stale max stays the
+        # reference, so p <= 2**8 (exact in bf16 / fp16, its sums far from fp32's range) and
+        # out = acc / l and LSE = m + log2(l) are unchanged. Returns (p, acc, l_i, m_i); the
+        # caller adds p @ v to acc. NOTE: the test is one branch for the whole tile (the
+        # rescale is 1 multiply a thread per output element: 128 a D=128 loop iteration).
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        if tl.max(m_new - m_i, 0) > 8.0:  # a first tile's m_i is -inf: always taken
+            alpha = tl.math.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = exp2_split(qk * qk_scale - m_i[:, None], EXP_POLY)
+        return p, acc, l_i + tl.sum(p, 1), m_i
+
+    @triton.jit
     def finish_softmax(acc, l_i, m_i):
         # The online softmax's end: (out normalised over the keys seen, natural-log LSE); rows
         # that saw no key give 0 and -inf. m_i is in the exp2 domain.

@@ -10,7 +10,8 @@ warp-specialised kernel). Or the compiler's failure.
         HALVES=True WARP_SPECIALIZE=True
 
 Arguments: head dim, block_m, block_n, warps, stages, then NAME=VALUE for any other
-constexpr of the kernel (True/False/ints).
+constexpr of the kernel (True/False/ints). ``SASS_OUT=path`` in the environment writes the
+disassembly there.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
     consts: dict[str, object] = dict(
         N_HEADS=32, GROUP=4, PAGE_SIZE=max(64, bn), HEAD_DIM=d, HP=1, BLOCK_M=bm, BLOCK_N=bn,
         SCAN=32, WARP_SPECIALIZE=False, HEADS_FIRST=False, UPCAST=False, HALVES=False,
+        EXP_POLY=0, LAZY_RESCALE=False,
     )  # fmt: skip
     for arg in sys.argv[6:]:
         name, value = arg.split("=")
@@ -64,6 +66,9 @@ def main() -> None:
         f.flush()
         res = subprocess.run([f"{tools}/cuobjdump", "-res-usage", f.name], capture_output=True)
         sass = subprocess.run([f"{tools}/nvdisasm", "-c", f.name], capture_output=True).stdout
+    if os.environ.get("SASS_OUT"):  # the whole disassembly, to read
+        with open(os.environ["SASS_OUT"], "wb") as out:
+            out.write(sass)
     usage = re.search(rb"REG:(\d+) STACK:(\d+)", res.stdout)
     ops = Counter(re.findall(rb"\b(HGMMA|MUFU\.EX2|USETMAXREG)\b", sass))
     print(
