@@ -126,8 +126,9 @@ if HAS_TRITON:
         # grew by more than 8 (FlashAttention-4's trick): else the stale max stays the
         # reference, so p <= 2**8 (exact in bf16 / fp16, its sums far from fp32's range) and
         # out = acc / l and LSE = m + log2(l) are unchanged. Returns (p, acc, l_i, m_i); the
-        # caller adds p @ v to acc. NOTE: the test is one branch for the whole tile (the
-        # rescale is 1 multiply a thread per output element: 128 a D=128 loop iteration).
+        # caller adds p @ v to acc. NOTE: the test is one branch for the whole tile, a
+        # tile-wide max (sm_90a: one more block barrier a tile) that skips 144 instructions a
+        # thread of a D=128 iteration (its 128 multiplies), 40 of a D=64 one.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         if tl.max(m_new - m_i, 0) > 8.0:  # a first tile's m_i is -inf: always taken
             alpha = tl.math.exp2(m_i - m_new)
