@@ -272,8 +272,9 @@ class LaneChannel:
         self.num_calls += 1
         if any(m is not None for m in moves):
             replies.add_done_callback(_answer_moves(moves))
-        # NOTE: one future for every lane's answer: a future and a callback a lane cost
-        # the in-process decision ~13 us a lane (bench_decision.py, cp 1 against 4).
+        # NOTE: one future for every lane's answer, not a future and a wrapper a lane:
+        # this side of a step 53-82 -> 33-42 us at cp 4 on the 2-core machine
+        # (docs/bench-cpu/2026-12-06-step-handles/channel_handles.py).
         return [StepHandles(replies, r) for r in range(self.cp_size)]
 
     def call(self, lane: int, method: str, *args: Any, timeout: float) -> Any:

@@ -217,7 +217,8 @@ if HAS_TRITON:
             visible = valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         else:
             visible = None
-        if LAZY_RESCALE and not MASK:
+        LAZY: tl.constexpr = LAZY_RESCALE and not MASK  # masked tiles rescale every time
+        if LAZY:
             p, acc, l_i, m_new = softmax_tile_lazy(qk, m_i, l_i, acc, qk_scale, EXP_POLY)
         else:
             p, alpha, l_i, m_new = softmax_tile(qk, m_i, l_i, visible, qk_scale, MASK, EXP_POLY)
@@ -228,7 +229,7 @@ if HAS_TRITON:
             v = tl.where(valid[:, None], v, 0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        if not (LAZY_RESCALE and not MASK):
+        if not LAZY:  # the lazy step rescaled acc itself, when it had to
             acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         return acc, l_i, m_new
