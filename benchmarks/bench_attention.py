@@ -455,16 +455,10 @@ def sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, object
 
 
 def tma_sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, object]]:
-    """(head dim, TMA config) pairs to time: the current tiling with part of its exponentials
-    by polynomial and with lazy rescaling first, then tile shapes, pipelining depth, warps,
-    GQA packing and Triton's warp specialisation, around the FA2/FA3 shapes (128 query rows)."""
-    # (block_m, block_n, heads, warps, stages, warp_specialize, heads_first, exp_poly, lazy)
-    shapes = {
+    """(head dim, TMA config) pairs to time: tile shapes, pipelining depth, warps, GQA packing
+    and Triton's warp specialisation, around the FA2/FA3 shapes (128 query rows)."""
+    shapes = {  # (block_m, block_n, heads, warps, stages, warp_specialize, heads_first)
         128: [
-            (128, 64, 1, 4, 3, False, False, 2),
-            (128, 64, 1, 4, 3, False, False, 4),
-            (128, 64, 1, 4, 3, False, False, 0, True),
-            (128, 64, 1, 4, 3, False, False, 4, True),
             (128, 64, 1, 4, 3, True),
             (128, 64, 1, 8, 3, True),
             (128, 128, 1, 8, 2, True),
@@ -481,10 +475,6 @@ def tma_sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, ob
             (128, 64, 1, 8, 3, False),
         ],
         64: [
-            (64, 128, 1, 4, 2, False, False, 2),
-            (64, 128, 1, 4, 2, False, False, 4),
-            (64, 128, 1, 4, 2, False, False, 0, True),
-            (64, 128, 1, 4, 2, False, False, 4, True),
             (64, 128, 1, 4, 2, True),
             (128, 128, 1, 8, 2, True),
             (128, 64, 1, 4, 2, True),

@@ -25,8 +25,6 @@ import torch.nn.functional as F
 
 import cpkv.kernels as K
 from cpkv.kernels import _common, naive
-from cpkv.kernels._attn_helpers import exp2_poly, exp2_split
-from cpkv.kernels._common import tl, triton
 
 attn_mod = importlib.import_module("cpkv.kernels.paged_attention")
 tma_mod = importlib.import_module("cpkv.kernels.paged_attention_tma")
@@ -376,37 +374,24 @@ def test_paged_attention_strided_queries():
 # ---------------------------------------------------------------------------------------------
 
 
-def tma_tiles(
-    block_m: int,
-    block_n: int,
-    heads: int,
-    heads_first: bool = False,
-    exp_poly: int = 0,
-    lazy_rescale: bool = False,
-) -> dict:
+def tma_tiles(block_m: int, block_n: int, heads: int, heads_first: bool = False) -> dict:
     """Every TMA config replaced by small tiles (the interpreter's cost grows with them)."""
     cfg = tma_mod.TmaConfig(
-        block_m, block_n, heads, 4, 2, heads_first, exp_poly=exp_poly, lazy_rescale=lazy_rescale
+        block_m, block_n, heads, num_warps=4, num_stages=2, heads_first=heads_first
     )
     return {d: cfg for d in tma_mod.CONFIGS}
 
 
 TMA_TILINGS = {
-    # 2-4 tiles a page; grid (heads, blocks); half the unmasked scores' exp2 by polynomial;
-    # the output rescaled only when a row's max grew by more than 8
-    "m16-n16-heads-first-poly2-lazy": (16, 16, 1, True, 2, True),
-    # page 32: the tile cut to the page; 2 GQA heads a program; a quarter by polynomial
-    "m32-n64-2heads-poly4": (32, 64, 2, False, 4),
+    "m16-n16-heads-first": (16, 16, 1, True),  # 2-4 tiles a page; grid (heads, blocks)
+    "m32-n64-2heads": (32, 64, 2),  # page 32: the tile cut to the page; 2 GQA heads a program
 }
 
 
 # Each tiling with its own dtype (as DTYPE_TILINGS): every layout meets both at half the cost.
-# (exp_poly 0, every other TMA test's, is the pointer kernel's softmax, tested with it.)
 TMA_DTYPE_TILINGS = [
-    pytest.param(
-        torch.float16, "m16-n16-heads-first-poly2-lazy", id="fp16-m16-n16-heads-first-poly2-lazy"
-    ),
-    pytest.param(torch.bfloat16, "m32-n64-2heads-poly4", id="bf16-m32-n64-2heads-poly4"),
+    pytest.param(torch.float16, "m16-n16-heads-first", id="fp16-m16-n16-heads-first"),
+    pytest.param(torch.bfloat16, "m32-n64-2heads", id="bf16-m32-n64-2heads"),
 ]
 
 
@@ -440,23 +425,6 @@ def test_tma_path_gqa_and_head_dims(monkeypatch, hq, hkv, d):
     )
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["rescale-always", "lazy-rescale"])
-def test_tma_path_follows_a_max_that_grows_by_small_and_large_steps(monkeypatch, lazy):
-    # Keys scaled up page by page (x0.5, 1, 4, 8): each query's max grows from tile to tile
-    # by less than 8 (in the exp2 domain: no rescale with lazy_rescale) and by more (one).
-    monkeypatch.setattr(tma_mod, "MODE", "always")
-    monkeypatch.setattr(tma_mod, "CONFIGS", tma_tiles(16, 16, 1, lazy_rescale=lazy))
-    ps = 32
-    seqs = [Seq(list(range(4 * ps, 4 * ps + 20)), in_order(0, 4 * ps + 20, ps))]
-    x = build(seqs, ps, hq=4, hkv=2, d=32, dtype=torch.float16, seed=11)
-    for page, factor in enumerate([0.5, 1.0, 4.0, 8.0]):
-        x.k[x.page_table[page]] *= factor
-    scale = 32**-0.5
-    assert_attention_close(
-        run_kernel(x, scale), naive.paged_partial_attention(*x.args(), scale), torch.float16
-    )
-
-
 def test_tma_path_only_where_a_descriptor_fits(monkeypatch):
     monkeypatch.setattr(tma_mod, "MODE", "always")
     q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
@@ -476,51 +444,6 @@ def test_tma_path_only_where_a_descriptor_fits(monkeypatch):
     assert cfg.block_n <= 16 and cfg.block_m == 16
     with pytest.raises(ValueError, match="power of two"):
         tma_mod.TmaConfig(96, 64, 1, 8, 3)
-    with pytest.raises(ValueError, match="exp_poly must be 0, 2 or 4, got 3"):
-        tma_mod.TmaConfig(64, 64, 1, 4, 2, exp_poly=3)
-
-
-@triton.jit
-def _exp2_poly_kernel(x_ptr, out_ptr, N: tl.constexpr):
-    i = tl.arange(0, N)
-    tl.store(out_ptr + i, exp2_poly(tl.load(x_ptr + i)))
-
-
-@triton.jit
-def _exp2_split_kernel(x_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr, POLY: tl.constexpr):
-    i = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
-    tl.store(out_ptr + i, exp2_split(tl.load(x_ptr + i), POLY))
-
-
-def test_exp2_by_polynomial_is_within_its_bound_and_never_wraps():
-    # Across the range an unmasked score can take: integers, half-integers (the rounding's
-    # ties), the clamp at -126 and far below it (where 2**x is at most 2**-125 ~ 2.4e-38:
-    # tiny and never negative or huge, the exponent must not wrap; at -126 the result is a
-    # denormal, within 1.5e-4).
-    edges = torch.tensor(
-        [0.0, -0.5, -1.5, -2.5, -125.0, -125.5, -126.0, -126.4, -127.0, -1e4, -3e38]
-    )
-    x = torch.cat([edges, -torch.linspace(0, 140, 2048 - edges.numel())])
-    out = dev(torch.empty_like(x))
-    _exp2_poly_kernel[(1,)](dev(x), out, N=x.numel())
-    out, want = out.cpu().double(), torch.exp2(x.double())
-    above = x >= -125
-    assert ((out - want).abs() / want)[above].max() < 7.6e-5
-    assert ((out[~above] >= 0) & (out[~above] < 2.4e-38)).all()
-
-
-@pytest.mark.parametrize("poly", [0, 2, 4], ids=["mufu", "half-poly", "quarter-poly"])
-@pytest.mark.parametrize("cols", [16, 64], ids=["n16", "n64"])
-def test_exp2_split_sends_the_chosen_columns_to_the_polynomial(poly, cols):
-    x = -torch.rand(16, cols, generator=torch.Generator().manual_seed(cols)) * 30
-    out = dev(torch.empty_like(x))
-    _exp2_split_kernel[(1,)](dev(x), out, R=16, C=cols, POLY=poly)
-    rel = ((out.cpu().double() - torch.exp2(x.double())) / torch.exp2(x.double())).abs()
-    by_poly = rel.max(0).values > 1e-6  # exp2 is exact to ~1e-7; the polynomial is not
-    col = torch.arange(cols)
-    want = {0: col < 0, 2: col % 2 == 1, 4: (col % 2 == 1) & (col // 8 % 2 == 1)}[poly]
-    assert torch.equal(by_poly, want)
-    assert rel.max() < 7.6e-5
 
 
 if GPU:

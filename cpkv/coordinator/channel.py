@@ -9,9 +9,9 @@ lane's generation and a per-lane sequence number; the lane checks them.
 A page move does not travel when it is decided: it waits, numbered, until something on
 its lane needs it (the lane's next step carries every move waiting for it; a heartbeat,
 a client's write behind its fence, or :meth:`LaneChannel.flush` sends them in one call),
-or until it has waited ``flush_after_s``. An allocation then costs no lane call: the
-lanes learn of it with the step that uses it, as a model runner learns its block table
-with the batch.
+or until it has waited ``flush_after_s`` (at most half as long again). An allocation then
+costs no lane call: the lanes learn of it with the step that uses it, as a model runner
+learns its block table with the batch.
 
 The channel speaks to lanes through a :class:`LaneTransport` (Ray actors in
 :mod:`cpkv.actors.transport`, plain objects in tests), so it runs without Ray.
@@ -69,7 +69,6 @@ class LaneTransport(Protocol):
 
 
 _STOP = object()
-_WAKE = object()
 
 
 class LaneChannel:
@@ -80,7 +79,7 @@ class LaneChannel:
         cp_size: number of lanes.
         epoch: the coordinator's id; generations are ``"{epoch}:{n}"``, unique for the
             coordinator's lifetime (and across its restarts).
-        flush_after_s: the longest a page move waits for a step to carry it (default
+        flush_after_s: how long a page move waits for a step to carry it (at most 1.5x; default
             ``FLUSH_AFTER_S``).
     """
 
@@ -163,7 +162,7 @@ class LaneChannel:
         cached: np.ndarray | None = None,
     ) -> int:
         """Number one page move for ``lane``; returns its sequence number. It reaches the
-        lane with the lane's next step, flush, or within ``flush_after_s``.
+        lane with the lane's next step, flush, or within 1.5 ``flush_after_s``.
 
         ``taken`` pages go to namespace ``owner``; ``released`` pages are free; ``cached``
         pages leave their request for the prefix cache (nobody may write them from then on).
@@ -182,8 +181,9 @@ class LaneChannel:
             waiting = self._waiting[lane]
             waiting.append(args)
             if self._waiting_since is None:
+                # NOTE: the sender is not woken: it looks at this on its next poll. A wake
+                # per free cost its decision the GIL hand-offs (bench_decision.py --cp 4).
                 self._waiting_since = time.monotonic()
-                self._outbox.put(_WAKE)  # the sender may be waiting with no deadline
             if len(waiting) >= MAX_WAITING_MOVES:
                 self._send_waiting(lane)
         self.num_moves += 1
@@ -354,10 +354,15 @@ class LaneChannel:
 
     # ---------------------------------------------------------------- sender
     def _send_loop(self) -> None:
+        # Idle, the sender polls every half flush_after_s for moves that began waiting, so a
+        # move waits at most 1.5 flush_after_s when no step carries it.
         while True:
             since = self._waiting_since
-            wait = None if since is None else since + self._flush_after_s - time.monotonic()
-            if wait is not None and wait <= 0:
+            if since is None:
+                wait = self._flush_after_s / 2
+            else:
+                wait = since + self._flush_after_s - time.monotonic()
+            if wait <= 0:
                 self.flush()  # moves waited flush_after_s for a step: send them on their own
                 continue
             try:
@@ -366,8 +371,6 @@ class LaneChannel:
                 continue
             if item is _STOP:
                 return
-            if item is _WAKE:
-                continue
             lane, method, args, future, *move = item
             try:
                 handle = self._transport.submit(lane, method, *args)

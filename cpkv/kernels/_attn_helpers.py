@@ -59,53 +59,10 @@ if HAS_TRITON:
         return lo, mid, hi
 
     @triton.jit
-    def exp2_poly(x):
-        # 2**x for finite x <= 0 on the FMA pipe, not the MUFU's 16 exponentials a clock an
-        # SM (FlashAttention-4's trick): x = j + f with j = round(x), f in [-0.5, 0.5]; 2**f
-        # by a degree-3 polynomial (max relative error 7.5e-5, fitted in fp64 and checked in
-        # fp32; a bf16 P rounds at 3.9e-3), and j added to its exponent bits. x is clamped
-        # to -126 first (below it the true value is < 1.2e-38: the exponent must not wrap).
-        x = tl.maximum(x, -126.0)
-        t = x + 12582912.0  # 1.5 * 2**23: the sum's low mantissa bits hold round(x)
-        f = x - (t - 12582912.0)
-        p = tl.fma(f, 0.05517134442925453, 0.24261033535003662)
-        p = tl.fma(p, f, 0.6932609677314758)
-        p = tl.fma(p, f, 0.9999281167984009)
-        # NOTE: t's bits are 0x4B400000 + j, and 0x4B400000 << 23 wraps to 0: (bits(t) << 23)
-        # is j << 23.
-        bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-        return bits.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def exp2_split(x, POLY: tl.constexpr):
-        # exp2 of a [rows, cols] tile of finite x <= 0, 1 in POLY columns (0: none; 2 or 4)
-        # by exp2_poly so both pipes share the work. NOTE: a thread holds an MMA result's
-        # columns in adjacent pairs, one pair in each 8 columns: splitting on bit 0 of the
-        # column (odd ones to the polynomial) and then on bit 3 moves no data (sm_90a:
-        # same shared memory as exp2 alone; a second split on bit 1 adds 15 KB of it).
-        if POLY == 0:
-            return tl.math.exp2(x)
-        rows: tl.constexpr = x.shape[0]
-        cols: tl.constexpr = x.shape[1]
-        a, b = tl.split(tl.reshape(x, [rows, cols // 2, 2]))
-        if POLY == 2:
-            pb = exp2_poly(b)
-        else:
-            # b's column j is x's 2j + 1; j's bit 2 is x's column bit 3.
-            b4 = tl.permute(tl.reshape(b, [rows, cols // 16, 2, 4]), (0, 1, 3, 2))
-            b0, b1 = tl.split(b4)
-            pb4 = tl.join(tl.math.exp2(b0), exp2_poly(b1))
-            pb = tl.reshape(tl.permute(pb4, (0, 1, 3, 2)), [rows, cols // 2])
-        return tl.reshape(tl.join(tl.math.exp2(a), pb), [rows, cols])
-
-    @triton.jit
-    def softmax_tile(
-        qk, m_i, l_i, visible, qk_scale, MASK: tl.constexpr, EXP_POLY: tl.constexpr = 0
-    ):
+    def softmax_tile(qk, m_i, l_i, visible, qk_scale, MASK: tl.constexpr):
         # One key tile's step of the online softmax on its raw scores qk = q.k (exp2 domain
         # after qk_scale): returns (p, alpha, l_i, m_new); the caller rescales its output by
-        # alpha and adds p @ v. With MASK, scores where not visible are dropped. EXP_POLY:
-        # see exp2_split (unmasked tiles only: their scores are all finite).
+        # alpha and adds p @ v. With MASK, scores where not visible are dropped.
         if MASK:
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -116,27 +73,9 @@ if HAS_TRITON:
         else:
             # Every score is finite here: scale the row max, not each score (one FMA each).
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = exp2_split(qk * qk_scale - m_new[:, None], EXP_POLY)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
         return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
-
-    @triton.jit
-    def softmax_tile_lazy(qk, m_i, l_i, acc, qk_scale, EXP_POLY: tl.constexpr = 0):
-        # softmax_tile's unmasked step that rescales the output only when some row's max
-        # grew by more than 8 (FlashAttention-4's trick): else the stale max stays the
-        # reference, so p <= 2**8 (exact in bf16 / fp16, its sums far from fp32's range) and
-        # out = acc / l and LSE = m + log2(l) are unchanged. Returns (p, acc, l_i, m_i); the
-        # caller adds p @ v to acc. NOTE: the test is one branch for the whole tile, a
-        # tile-wide max (sm_90a: one more block barrier a tile) that skips 144 instructions a
-        # thread of a D=128 iteration (its 128 multiplies), 40 of a D=64 one.
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if tl.max(m_new - m_i, 0) > 8.0:  # a first tile's m_i is -inf: always taken
-            alpha = tl.math.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = exp2_split(qk * qk_scale - m_i[:, None], EXP_POLY)
-        return p, acc, l_i + tl.sum(p, 1), m_i
 
     @triton.jit
     def finish_softmax(acc, l_i, m_i):

@@ -20,13 +20,7 @@ import torch
 from cpkv.kernels._common import HAS_TRITON, interpreter_enabled, next_power_of_2, tl, triton
 
 if HAS_TRITON:
-    from cpkv.kernels._attn_helpers import (
-        finish_softmax,
-        key_range,
-        query_block,
-        softmax_tile,
-        softmax_tile_lazy,
-    )
+    from cpkv.kernels._attn_helpers import finish_softmax, key_range, query_block, softmax_tile
 
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -54,10 +48,6 @@ class TmaConfig:
         warp_specialize: ask Triton to split producer and consumer warps in the key loops.
         heads_first: order the grid head groups first, so every head's heaviest query block
             starts in the first wave (else each head's blocks run heaviest first in turn).
-        exp_poly: 0, or 2 / 4: one score in 2 / 4 of an unmasked tile exponentiated by a
-            polynomial on the FMA pipe instead of the MUFU (``_attn_helpers.exp2_split``).
-        lazy_rescale: unmasked tiles rescale the output only when a row's max grew by more
-            than 8 (``_attn_helpers.softmax_tile_lazy``).
     """
 
     block_m: int
@@ -67,8 +57,6 @@ class TmaConfig:
     num_stages: int
     warp_specialize: bool = False
     heads_first: bool = False
-    exp_poly: int = 0
-    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "heads_per_program", "num_warps"):
@@ -77,8 +65,6 @@ class TmaConfig:
                 raise ValueError(f"TmaConfig.{name} must be a power of two >= 1, got {value}")
         if self.num_stages < 1:
             raise ValueError(f"TmaConfig.num_stages must be >= 1, got {self.num_stages}")
-        if self.exp_poly not in (0, 2, 4):
-            raise ValueError(f"TmaConfig.exp_poly must be 0, 2 or 4, got {self.exp_poly}")
         if self.block_m < 16 or self.block_n < 16:
             raise ValueError(
                 f"TmaConfig: block_m {self.block_m} and block_n {self.block_n} must be >= 16"
@@ -130,8 +116,6 @@ def config_for(head_dim: int, page_size: int, group: int, max_q_len: int) -> Tma
         num_stages=cfg.num_stages,
         warp_specialize=cfg.warp_specialize,
         heads_first=cfg.heads_first,
-        exp_poly=cfg.exp_poly,
-        lazy_rescale=cfg.lazy_rescale,
     )
 
 
@@ -197,8 +181,6 @@ if HAS_TRITON:
         PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr,
-        EXP_POLY: tl.constexpr,
-        LAZY_RESCALE: tl.constexpr,
     ):
         # One key tile of the online softmax; returns (acc, l_i, m_i) updated. NOTE: BLOCK_N
         # divides PAGE_SIZE, so a tile lies in one page: one page id, one position, one length.
@@ -217,11 +199,7 @@ if HAS_TRITON:
             visible = valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         else:
             visible = None
-        LAZY: tl.constexpr = LAZY_RESCALE and not MASK  # masked tiles rescale every time
-        if LAZY:
-            p, acc, l_i, m_new = softmax_tile_lazy(qk, m_i, l_i, acc, qk_scale, EXP_POLY)
-        else:
-            p, alpha, l_i, m_new = softmax_tile(qk, m_i, l_i, visible, qk_scale, MASK, EXP_POLY)
+        p, alpha, l_i, m_new = softmax_tile(qk, m_i, l_i, visible, qk_scale, MASK)
         v = v_desc.load([y, kv_col])
         if MASK:
             # NOTE: slots past a page's length may hold anything (NaN included), and 0 * NaN
@@ -229,8 +207,7 @@ if HAS_TRITON:
             v = tl.where(valid[:, None], v, 0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        if not LAZY:  # the lazy step rescaled acc itself, when it had to
-            acc = acc * alpha[:, None]
+        acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         return acc, l_i, m_new
 
@@ -264,8 +241,6 @@ if HAS_TRITON:
         WARP_SPECIALIZE: tl.constexpr,
         HEADS_FIRST: tl.constexpr,  # grid (head group, query block), else the other way round
         UPCAST: tl.constexpr,  # run the dots on fp32 copies of the tiles (interpreter + bf16)
-        EXP_POLY: tl.constexpr,  # TmaConfig.exp_poly
-        LAZY_RESCALE: tl.constexpr,  # TmaConfig.lazy_rescale
     ):
         # Grid and walk as the pointer kernel's: (query block, group of HP query heads); first
         # the tiles every query of the block sees (no mask), then the rest it may see.
@@ -313,15 +288,13 @@ if HAS_TRITON:
             acc, l_i, m_i = _tma_tile_update(
                 acc, l_i, m_i, q, q_pos, row0, qk_scale, page_table_ptr, page_pos_ptr,
                 page_len_ptr, k_desc, v_desc, kv_col,
-                MASK=False, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, EXP_POLY=EXP_POLY,
-                LAZY_RESCALE=LAZY_RESCALE,
+                MASK=False, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST,
             )  # fmt: skip
         for row0 in tl.range(row_full, row_hi, BLOCK_N):
             acc, l_i, m_i = _tma_tile_update(
                 acc, l_i, m_i, q, q_pos, row0, qk_scale, page_table_ptr, page_pos_ptr,
                 page_len_ptr, k_desc, v_desc, kv_col,
-                MASK=True, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, EXP_POLY=0,
-                LAZY_RESCALE=False,
+                MASK=True, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST,
             )  # fmt: skip
 
         out, lse = finish_softmax(acc, l_i, m_i)
@@ -388,8 +361,6 @@ def launch(
         WARP_SPECIALIZE=cfg.warp_specialize,
         HEADS_FIRST=heads_first,
         UPCAST=upcast,
-        EXP_POLY=cfg.exp_poly,
-        LAZY_RESCALE=cfg.lazy_rescale,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,4 +1,4 @@
-"""A prefill step's timeline across the client, the coordinator and the lane (cp=1).
+"""A prefill step's timeline across the client, the coordinator and the lanes.
 
 Stamps ``time.perf_counter()`` (CLOCK_MONOTONIC: one clock for every process of the
 machine) at each hand-off of a step sent through the client's step graph, inside the
@@ -16,8 +16,12 @@ coordinator and lane processes (``__ray_call__``), and prints the median of each
     hand-back                   the answer reaching run_step's return (packed for the client)
     coordinator -> client       run_step's return written, read by the client
 
+At cp > 1 a lane's leg is printed as the median over steps of its fastest and slowest lane
+(``min / max``); "Ray lane -> coordinator" is each lane's pack end to its answer's unpack
+(the answers are read in rank order).
+
 Run from the repository root: ``PYTHONPATH=. python docs/gpu-run/step-timeline/timeline_step.py
-[--model tiny] [--vocab N] [--iters 60] [--greedy]``.
+[--cp 1] [--model tiny] [--vocab N] [--iters 60] [--greedy]``.
 """
 
 import argparse
@@ -75,6 +79,7 @@ def _clear(actor):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--tokens", type=int, default=16)
@@ -89,7 +94,7 @@ def main() -> None:
     if args.dtype:
         config = dataclasses.replace(config, dtype=args.dtype)
     c = cpkv.connect(
-        cp_size=1,
+        cp_size=args.cp,
         page_size=64,
         num_pages_per_lane=256,
         max_reqs=16,
@@ -101,7 +106,7 @@ def main() -> None:
         num_gpus_per_lane=args.num_gpus_per_lane,
     )
     prompt = np.arange(args.tokens)
-    coord, lane = c._coord, c.lanes[0]
+    coord, lanes, cp = c._coord, c.lanes, args.cp
     ray.get(
         coord.__ray_call__.remote(
             _stamp_all,
@@ -114,10 +119,13 @@ def main() -> None:
         )
     )
     ray.get(
-        lane.__ray_call__.remote(
-            _stamp_all,
-            [("compiled_step_packed", "packed"), ("compiled_step", "lane"), ("_step", "step")],
-        )
+        [
+            lane.__ray_call__.remote(
+                _stamp_all,
+                [("compiled_step_packed", "packed"), ("compiled_step", "lane"), ("_step", "step")],
+            )
+            for lane in lanes
+        ]
     )
     graph, client = c._graph, []
     run = graph.run
@@ -134,15 +142,27 @@ def main() -> None:
         c.prefill(f"w{i}", prompt, greedy=args.greedy)
         c.free(f"w{i}", cache=False)
     client.clear()
-    ray.get([coord.__ray_call__.remote(_clear), lane.__ray_call__.remote(_clear)])
+    ray.get([coord.__ray_call__.remote(_clear)] + [la.__ray_call__.remote(_clear) for la in lanes])
     for i in range(args.iters):
         c.prefill(i, prompt, greedy=args.greedy)
         c.free(i, cache=False)
     co = ray.get(coord.__ray_call__.remote(lambda a: a._stamps))
-    la = ray.get(lane.__ray_call__.remote(lambda a: a._stamps))
+    las = ray.get([la.__ray_call__.remote(lambda a: a._stamps) for la in lanes])
     n = args.iters
-    lengths = {k: len(v) for k, v in {**co, **la, "client": client}.items()}
+    lengths = {k: len(v) for k, v in {**co, "client": client}.items()}
+    lengths["cs_unpack"] //= cp  # one an answer: cp a step
+    lengths.update({f"lane {r} {k}": len(v) for r, la in enumerate(las) for k, v in la.items()})
     assert all(v == n for v in lengths.values()), lengths
+    unpack = [co["cs_unpack"][i * cp : (i + 1) * cp] for i in range(n)]
+
+    def lanes_leg(f) -> list[tuple[float, float]]:
+        """Per step, (fastest, slowest) lane of ``f(i, r, lane_stamps)``."""
+        out = []
+        for i in range(n):
+            vals = [f(i, r, la) for r, la in enumerate(las)]
+            out.append((min(vals), max(vals)))
+        return out
+
     legs = {
         "client -> coordinator": [co["run_step"][i][0] - client[i][0] for i in range(n)],
         "decision (run_step until queued)": [
@@ -152,28 +172,39 @@ def main() -> None:
         "queued until packed (thread hop)": [
             co["cs_pack"][i][0] - co["queued"][i][0] for i in range(n)
         ],
-        "Ray coordinator -> lane": [la["packed"][i][0] - co["cs_pack"][i][1] for i in range(n)],
-        "lane unpack": [la["lane"][i][0] - la["packed"][i][0] for i in range(n)],
-        "lane before _step": [la["step"][i][0] - la["lane"][i][0] for i in range(n)],
-        "lane _step (moves + compute)": [la["step"][i][1] - la["step"][i][0] for i in range(n)],
-        "lane after _step": [la["lane"][i][1] - la["step"][i][1] for i in range(n)],
-        "lane pack": [la["packed"][i][1] - la["lane"][i][1] for i in range(n)],
-        "Ray lane -> coordinator": [co["cs_unpack"][i][0] - la["packed"][i][1] for i in range(n)],
-        "coordinator unpack": [co["cs_unpack"][i][1] - co["cs_unpack"][i][0] for i in range(n)],
+        "Ray coordinator -> lane": lanes_leg(
+            lambda i, r, la: la["packed"][i][0] - co["cs_pack"][i][1]
+        ),
+        "lane unpack": lanes_leg(lambda i, r, la: la["lane"][i][0] - la["packed"][i][0]),
+        "lane before _step": lanes_leg(lambda i, r, la: la["step"][i][0] - la["lane"][i][0]),
+        "lane _step (moves + compute)": lanes_leg(
+            lambda i, r, la: la["step"][i][1] - la["step"][i][0]
+        ),
+        "lane after _step": lanes_leg(lambda i, r, la: la["lane"][i][1] - la["step"][i][1]),
+        "lane pack": lanes_leg(lambda i, r, la: la["packed"][i][1] - la["lane"][i][1]),
+        "lane's answer written (since pack)": lanes_leg(
+            lambda i, r, la: la["packed"][i][1] - co["cs_pack"][i][1]
+        ),
+        "Ray lane -> coordinator": lanes_leg(lambda i, r, la: unpack[i][r][0] - la["packed"][i][1]),
+        "coordinator unpack (all answers)": [unpack[i][-1][1] - unpack[i][0][0] for i in range(n)],
         "hand-back to run_step's return": [
-            co["run_step"][i][1] - co["cs_unpack"][i][1] for i in range(n)
+            co["run_step"][i][1] - unpack[i][-1][1] for i in range(n)
         ],
         "coordinator -> client": [client[i][1] - co["run_step"][i][1] for i in range(n)],
         "client round (total)": [client[i][1] - client[i][0] for i in range(n)],
     }
     kind = "greedy " if args.greedy else ""
-    print(f"model {args.model}, cp 1, {args.tokens}-token {kind}prefill, medians of {n} (ms)")
+    print(f"model {args.model}, cp {cp}, {args.tokens}-token {kind}prefill, medians of {n} (ms)")
     for key, values in legs.items():
-        print(f"{key:<36} {statistics.median(values) * 1e3:8.3f}")
-    over = [
-        legs["client round (total)"][i] - legs["lane _step (moves + compute)"][i] for i in range(n)
-    ]
-    print(f"{'round beyond the lane _step':<36} {statistics.median(over) * 1e3:8.3f}")
+        if isinstance(values[0], tuple):
+            lo = statistics.median(v[0] for v in values) * 1e3
+            hi = statistics.median(v[1] for v in values) * 1e3
+            print(f"{key:<36} {lo:8.3f} / {hi:.3f}" if cp > 1 else f"{key:<36} {lo:8.3f}")
+        else:
+            print(f"{key:<36} {statistics.median(values) * 1e3:8.3f}")
+    slowest = legs["lane _step (moves + compute)"]
+    over = [legs["client round (total)"][i] - slowest[i][1] for i in range(n)]
+    print(f"{'round beyond the slowest lane _step':<36} {statistics.median(over) * 1e3:8.3f}")
     c.shutdown()
 
 
