@@ -30,7 +30,7 @@ def test_spread_bench_on_three_node_local_cluster(tmp_path):
         "2",
         "--",
         "--lanes",
-        "2,4",
+        "2",  # NOTE: one pool (2,4 took 24 s against 17 alone on the 2-core machine)
         "--context",
         "4k",
         "--requests",
@@ -49,7 +49,7 @@ def test_spread_bench_on_three_node_local_cluster(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "bench.json").read_text())
     rows = data["rows"]
-    assert [(r["lanes"], r["context"]) for r in rows] == [(2, 4096), (4, 4096)]
+    assert [(r["lanes"], r["context"]) for r in rows] == [(2, 4096)]
     for row in rows:
         # SPREAD over two GPU workers: lanes on both, none on the GPU-less head.
         assert row["nodes"] == 2, row["lane_nodes"]
@@ -57,5 +57,5 @@ def test_spread_bench_on_three_node_local_cluster(tmp_path):
         assert row["p50_ms"] > 0 and row["allocs_per_s"] > 0
         assert row["balance_max_over_min"] >= 1.0
     with open(out / "bench.csv") as f:
-        assert len(list(csv.DictReader(f))) == 2
+        assert len(list(csv.DictReader(f))) == 1
     assert (out / "bench.png").stat().st_size > 1000
