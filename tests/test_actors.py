@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import threading
 import time
 
@@ -15,7 +14,6 @@ import torch
 
 import cpkv
 from cpkv import CPAllocator, InvalidRequestError, KVCapacityWaitError
-from cpkv.actors.pool import _ACTOR_ENV
 from cpkv.actors.wire import pack, unpack
 
 from .conftest import CUDA_DEVICES, DEFAULTS, GPUS_PER_LANE, NUM_GPUS
@@ -301,15 +299,15 @@ def test_cache_salt_separates_tenants(make_client):
     assert c.check()["ok"]
 
 
-def _malloc_env(actor) -> dict:
-    return {k: os.environ.get(k) for k in _ACTOR_ENV}
+def _heap_faults(actor) -> int:
+    from tests.test_malloc import faults_per_big_alloc
+
+    return faults_per_big_alloc()
 
 
-def test_the_pools_actors_start_with_a_fixed_malloc_threshold(make_client):
-    # A step's answer then pickles into reused heap, not freshly faulted pages (see
-    # cpkv.actors.pool._ACTOR_ENV); glibc reads these when the process starts.
+def test_the_pools_actors_keep_big_buffers_in_the_heap(make_client):
+    # A step's answer then pickles into reused heap, not freshly faulted pages
+    # (cpkv.actors.malloc): glibc's default would map and fault a 40 MB buffer every time.
     c = make_client()
-    expected = {k: v for k, v in _ACTOR_ENV.items() if k not in os.environ}
-    assert expected  # the test run's own environment leaves them to the pool
-    for got in ray.get([a.__ray_call__.remote(_malloc_env) for a in (c._coord, *c.lanes)]):
-        assert {k: got[k] for k in expected} == expected, got
+    for faults in ray.get([a.__ray_call__.remote(_heap_faults) for a in (c._coord, *c.lanes)]):
+        assert faults < 100, faults

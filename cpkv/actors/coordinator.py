@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from cpkv.actors.liveness import ProcessLiveness
+from cpkv.actors.malloc import fix_malloc_thresholds
 from cpkv.actors.ray_env import NAMESPACE
 from cpkv.actors.transport import CompiledRayLaneTransport, RayLaneTransport
 from cpkv.actors.wire import pack, unpack
@@ -99,6 +100,7 @@ class CoordinatorActor:
         compiled_steps: bool = False,
     ) -> None:
         assert len(lane_names) == config.cp_size, (len(lane_names), config.cp_size)
+        self.malloc_fixed = fix_malloc_thresholds()
         self._lane_names = list(lane_names)
         self._lanes = [ray.get_actor(name, namespace=NAMESPACE) for name in lane_names]
         self._metrics = _Metrics()

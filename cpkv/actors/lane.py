@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from cpkv.actors.malloc import fix_malloc_thresholds
 from cpkv.actors.wire import pack, unpack
 from cpkv.core.config import KVShape
 from cpkv.core.moves import MovesNotApplied
@@ -69,6 +70,7 @@ class _Lane:
         model=None,
         device: str | None = None,
     ) -> None:
+        self.malloc_fixed = fix_malloc_thresholds()
         import torch
 
         from cpkv.lanes.worker import LaneWorker

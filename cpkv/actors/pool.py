@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,22 +29,6 @@ from cpkv.errors import CoordinatorUnavailableError, InvalidRequestError, Reques
 __all__ = ["STRATEGIES", "LaneOptions", "Pool"]
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-
-# NOTE: glibc serves an allocation above its mmap threshold from fresh pages and returns
-# them at free; a step's answer pickled into a growing buffer (2 MB for eight bf16 rows of a
-# 128k vocabulary) then faults in every page, at every step. A fixed threshold keeps such
-# buffers in the reused heap. Measured on the 2-core machine (docs/BENCHMARKS.md, 2026-12-06
-# (4)): the coordinator packed a batch-8 decode's answer in 0.42-0.46 ms with these against
-# 0.97-1.03 ms without. glibc reads them when a process starts, so they go in the actors'
-# environment; other C libraries ignore them.
-_ACTOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
-
-
-def _runtime_env() -> dict:
-    """The actors' ``runtime_env`` option carrying :data:`_ACTOR_ENV` (Ray merges it with the
-    job's); a value this process's environment sets already is left to it."""
-    env = {k: v for k, v in _ACTOR_ENV.items() if k not in os.environ}
-    return {"runtime_env": {"env_vars": env}} if env else {}
 
 
 @dataclass(slots=True)
@@ -199,7 +182,7 @@ class Pool:
             except BaseException:
                 _remove(lanes, group)
                 raise
-        opts = {"name": name, "namespace": NAMESPACE, "get_if_exists": True, **_runtime_env()}
+        opts = {"name": name, "namespace": NAMESPACE, "get_if_exists": True}
         if options.detached:
             opts["lifetime"] = "detached"
         from cpkv.actors.coordinator import CoordinatorActor
@@ -319,7 +302,6 @@ def _place_lanes(
     num_pages = None if sized_later else config.num_pages_per_lane
     for r, lane_name in enumerate(names.lanes(config.cp_size)):
         opts = dict(
-            **_runtime_env(),
             num_cpus=cpus,
             num_gpus=num_gpus_per_lane,
             name=lane_name,
