@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU, one call: where a cp=4 step's fixed cost goes (timeline_step.py --cp 4), and the
 # sender that polls instead of being woken (60da2f4; run at af112a5) against its base
-# (5d3d44f), PAIRS pairs alternating (default 1). Carry .whl and .scratch/base
-# (`git archive 5d3d44f cpkv`).
+# (5d3d44f), PAIRS pairs alternating (default 1; ARMS=new: the new code alone). Carry .whl
+# and .scratch/base (`git archive 5d3d44f cpkv`).
 set -u
 . scripts/_gpu_env.sh
 ROOT=$PWD
@@ -11,7 +11,7 @@ TL="python3 $ROOT/docs/gpu-run/step-timeline/timeline_step.py --iters 60 --model
 step 90 timeline-cp4.txt $TL --cp 4
 BS="python3 $ROOT/benchmarks/bench_steps.py --cp 1,4 --dispatch graph --iters 100 --model llama-3.2-1b --num-gpus-per-lane 0.25"
 for i in $(seq "${PAIRS:-1}"); do
-  for arm in new base; do
+  for arm in ${ARMS:-new base}; do
     dir=$ROOT; [ $arm = base ] && dir=$ROOT/.scratch/base
     (cd "$dir" && PYTHONPATH="$dir:/tmp/site" step 130 "steps-$arm-$i.txt" $BS)
   done
