@@ -106,6 +106,31 @@ def test_moves_no_step_needs_are_sent_after_flush_after_s():
         ch.close()
 
 
+@pytest.mark.parametrize("calls_first", [False, True], ids=["asleep", "woken-by-a-call"])
+def test_an_idle_sender_sleeps_and_the_next_move_still_goes_out(monkeypatch, calls_first):
+    import cpkv.coordinator.channel as channel_module
+
+    monkeypatch.setattr(channel_module, "IDLE_POLLS", 3)
+    transport = FakeTransport()
+    ch = LaneChannel(transport, cp_size=1, epoch="e", flush_after_s=0.02)
+    ch.new_generation(0)
+    try:
+        deadline = time.monotonic() + 5.0
+        while not ch._sender_asleep:  # three idle polls: it no longer wakes on its own
+            assert time.monotonic() < deadline, "the idle sender never slept"
+            time.sleep(0.01)
+        if calls_first:  # a call wakes it; it polls again, then sleeps again
+            ch.submit(0, "info")
+            submitted(transport, 1)
+        t0 = time.monotonic()
+        ch.send_moves(0, np.array([1], I32), np.empty(0, I32), "extend")
+        calls = submitted(transport, 2 if calls_first else 1)
+        assert calls[-1][1] == "apply_moves"
+        assert 0.02 <= time.monotonic() - t0 < 2.0
+    finally:
+        ch.close()
+
+
 def test_a_lane_with_many_moves_waiting_gets_them_at_once(channel, monkeypatch):
     import cpkv.coordinator.channel as channel_module
 

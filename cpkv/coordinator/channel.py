@@ -42,6 +42,9 @@ __all__ = ["LaneChannel", "LaneDeadError", "LaneTransport", "StepAborted", "Step
 FLUSH_AFTER_S = 0.02
 # A lane's waiting moves are sent at once when this many pile up (bounds a flush's size).
 MAX_WAITING_MOVES = 64
+# Polls with no move waiting after which the idle sender sleeps until woken (~1 s at the
+# default flush_after_s): an idle coordinator costs no CPU, a busy one no wake a move.
+IDLE_POLLS = 100
 
 
 class LaneDeadError(RuntimeError):
@@ -69,6 +72,7 @@ class LaneTransport(Protocol):
 
 
 _STOP = object()
+_WAKE = object()
 
 
 class LaneChannel:
@@ -106,6 +110,7 @@ class LaneChannel:
         # NOTE: taken and queued under _waiting_lock together, so the outbox keeps seq order.
         self._waiting: list[list[tuple]] = [[] for _ in range(cp_size)]
         self._waiting_since: float | None = None
+        self._sender_asleep = False  # waiting for an item with no timeout (_waiting_lock)
         self._waiting_lock = threading.Lock()
         self.num_calls = 0
         self.num_moves = 0
@@ -181,9 +186,12 @@ class LaneChannel:
             waiting = self._waiting[lane]
             waiting.append(args)
             if self._waiting_since is None:
-                # NOTE: the sender is not woken: it looks at this on its next poll. A wake
-                # per free cost its decision the GIL hand-offs (bench_decision.py --cp 4).
+                # NOTE: a polling sender is not woken: it sees this at its next poll. A wake
+                # per free cost the decision GIL hand-offs (bench_decision.py --cp 4).
                 self._waiting_since = time.monotonic()
+                if self._sender_asleep:
+                    self._sender_asleep = False
+                    self._outbox.put(_WAKE)
             if len(waiting) >= MAX_WAITING_MOVES:
                 self._send_waiting(lane)
         self.num_moves += 1
@@ -354,23 +362,37 @@ class LaneChannel:
 
     # ---------------------------------------------------------------- sender
     def _send_loop(self) -> None:
-        # Idle, the sender polls every half flush_after_s for moves that began waiting, so a
-        # move waits at most 1.5 flush_after_s when no step carries it.
+        # With no move waiting, the sender polls every half flush_after_s for one that began
+        # to (so a move waits at most 1.5 flush_after_s when no step carries it); after
+        # IDLE_POLLS such polls it sleeps until the next move or call wakes it.
+        idle_polls = 0
         while True:
-            since = self._waiting_since
-            if since is None:
-                wait = self._flush_after_s / 2
-            else:
-                wait = since + self._flush_after_s - time.monotonic()
-            if wait <= 0:
+            wait: float | None
+            with self._waiting_lock:
+                since = self._waiting_since
+                if since is not None:
+                    idle_polls = 0
+                    wait = since + self._flush_after_s - time.monotonic()
+                elif idle_polls >= IDLE_POLLS:
+                    self._sender_asleep, wait = True, None
+                else:
+                    wait = self._flush_after_s / 2
+            if wait is not None and wait <= 0:
                 self.flush()  # moves waited flush_after_s for a step: send them on their own
                 continue
             try:
                 item = self._outbox.get(timeout=wait)
             except queue.Empty:
+                idle_polls += 1
                 continue
+            if self._sender_asleep:  # woken by a call, not a move: poll again from here
+                with self._waiting_lock:
+                    self._sender_asleep = False
+            idle_polls = 0
             if item is _STOP:
                 return
+            if item is _WAKE:
+                continue
             lane, method, args, future, *move = item
             try:
                 handle = self._transport.submit(lane, method, *args)
