@@ -416,11 +416,12 @@ class StepHandles:
         lane: which of them this is.
     """
 
-    __slots__ = ("_lane", "_replies")
+    __slots__ = ("_lane", "_pair", "_replies")
 
     def __init__(self, replies: Future, lane: int) -> None:
         self._replies = replies
         self._lane = lane
+        self._pair: tuple[LaneReply, LaneReply] | None = None  # split once, read often
 
     def done(self) -> bool:
         return self._replies.done()
@@ -431,7 +432,9 @@ class StepHandles:
     def result(self, timeout: float | None = None) -> tuple[LaneReply, LaneReply]:
         """The lane's ``(status, result)``; its error as both when the step failed there.
         Raises: TimeoutError (``concurrent.futures``) when no answer came in ``timeout``."""
-        return _split(self._replies.result(timeout)[self._lane])
+        if self._pair is None:
+            self._pair = _split(self._replies.result(timeout)[self._lane])
+        return self._pair
 
 
 def _split(reply: LaneReply) -> tuple[LaneReply, LaneReply]:
