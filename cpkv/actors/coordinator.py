@@ -100,7 +100,7 @@ class CoordinatorActor:
         compiled_steps: bool = False,
     ) -> None:
         assert len(lane_names) == config.cp_size, (len(lane_names), config.cp_size)
-        self.malloc_fixed = fix_malloc_thresholds()
+        fix_malloc_thresholds()  # before the actor allocates its step buffers
         self._lane_names = list(lane_names)
         self._lanes = [ray.get_actor(name, namespace=NAMESPACE) for name in lane_names]
         self._metrics = _Metrics()

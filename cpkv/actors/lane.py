@@ -70,7 +70,7 @@ class _Lane:
         model=None,
         device: str | None = None,
     ) -> None:
-        self.malloc_fixed = fix_malloc_thresholds()
+        fix_malloc_thresholds()  # before the actor allocates its step buffers
         import torch
 
         from cpkv.lanes.worker import LaneWorker

@@ -10,7 +10,8 @@ without.
 They are set by ``mallopt`` in the running actor, not as ``MALLOC_*_`` variables in its
 ``runtime_env``: an actor with a runtime env of its own needs a worker process started for
 it, while one without takes an idle worker Ray has started already (2-core machine, cp=2 tiny
-pool: ``connect`` 2.9-3.4 s against 4.1-5.8 s; docs/BENCHMARKS.md, 2026-12-07 (2)).
+pool, four pairs alternating: ``connect`` 3.35-4.53 s against 4.30-5.13 s;
+docs/BENCHMARKS.md, 2026-12-07 (2)).
 """
 
 from __future__ import annotations
