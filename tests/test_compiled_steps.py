@@ -134,6 +134,19 @@ def test_a_heartbeat_counts_pages_only_once_the_moves_of_its_fence_are_applied(l
     assert lane.heartbeat()[1] == 2
 
 
+def test_a_heartbeat_counts_pages_as_of_its_fence_when_later_moves_came_first(lane):
+    """A step decided after the heartbeat carries its moves through the graph, which does
+    not travel behind the heartbeat: the lane may apply them first. The count compared with
+    the coordinator's mirror is the one right after the fence's move."""
+    take = lambda seq, *pages: ("g", seq, np.array(pages, I32), np.empty(0, I32))
+    lane.apply_moves((take(1, 1, 2),))
+    lane.apply_moves((take(2, 3), take(3, 4, 5)))  # rode in a later step
+    assert [lane.heartbeat(("g", s))[1] for s in (0, 1, 2, 3)] == [0, 2, 3, 5]
+    assert lane.heartbeat(("g", 4))[1] is None  # still to come
+    assert lane.heartbeat()[1] == 5
+    assert lane._shard.num_repeats == 0  # a count is not a repeated move
+
+
 def test_a_compiled_step_whose_fence_never_comes_is_refused(lane):
     from cpkv.core.steps import StepRequest, StepSequence
 

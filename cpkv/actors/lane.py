@@ -124,12 +124,18 @@ class _Lane:
     def heartbeat(self, fence: tuple[str, int] | None = None) -> tuple[str, int | None]:
         """``(incarnation, pages held)``; ordered after every earlier coordinator call. The
         count is ``None`` while a move through ``fence`` (``(generation, seq)``) is still to
-        come (one riding in a compiled step, which does not travel behind this call)."""
+        come (one riding in a compiled step, which does not travel behind this call).
+
+        NOTE: the count is the one right after the fence's move, which is what the
+        coordinator's mirror held when it sent this: moves decided later may have come first,
+        riding in a compiled step (a lane counting them too was taken for a divergence)."""
         with self._turn:
-            behind = (
-                fence is not None and not self._applied(fence)() and not self._never_applied(fence)
-            )
-            return self._shard.incarnation, None if behind else self._shard.num_held_pages
+            shard = self._shard
+            if fence is None or self._never_applied(fence):
+                return shard.incarnation, shard.num_held_pages
+            if not self._applied(fence)():
+                return shard.incarnation, None
+            return shard.incarnation, shard.num_held_at(fence[1])
 
     def kv_capacity(self, memory_utilization: float, share: float = 1.0) -> int:
         """Pages this lane can hold: its ``share`` of ``memory_utilization`` of its device's

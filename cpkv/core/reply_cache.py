@@ -63,6 +63,11 @@ class ReplyCache:
         self.num_hits += 1
         return entry[0]
 
+    def peek(self, key: Hashable, default: Any = None) -> Any:
+        """:meth:`get` that does not count as a repeat answered."""
+        entry = self._replies.get(key)
+        return default if entry is None else entry[0]
+
     def tag(self, key: Hashable) -> Any:
         """The tag :meth:`put` stored beside ``key``'s reply (KeyError when none)."""
         return self._replies[key][1]

@@ -88,6 +88,17 @@ class LaneShard:
         """Sequence number of the last move applied in this generation (0: none)."""
         return self._next_seq - 1
 
+    def num_held_at(self, seq: int) -> int | None:
+        """Pages held right after move ``seq`` of this generation (0: after the reset);
+        ``None`` for a move not applied yet or one too old to be remembered."""
+        if seq == self.last_seq:
+            return self.num_held_pages
+        if seq == 0:
+            return 0
+        if seq > self.last_seq:
+            return None
+        return self._replies.peek(seq)  # what apply answered for it
+
     def apply(
         self,
         generation: str,
