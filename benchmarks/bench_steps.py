@@ -8,7 +8,7 @@ weights. A prefill's fixed cost is its wall time less its slowest lane's step: t
 path (client -> coordinator -> lanes -> client) with no lane computing.
 
     python benchmarks/bench_steps.py [--cp 1,4] [--dispatch calls,compiled,graph]
-        [--model tiny] [--vocab N] [--dtype bfloat16] [--tokens 16] [--iters 40]
+        [--model tiny] [--vocab N] [--dtype bfloat16] [--tokens 16] [--iters 40] [--warmup 300]
 
 ``--dispatch``: how steps travel, one row each, side by side: ``calls`` (an actor call to
 the coordinator, one per lane from it), ``compiled`` (the coordinator's steps to the lanes
@@ -91,7 +91,14 @@ def _point(args, cp: int, dispatch: str) -> dict:
             decode_step()
             client.ping_lanes()
             ray.get(client._coord.ping.remote())
-        # Alternating, so a slower moment of the machine falls on both alike.
+        # Alternating, so a slower moment of the machine falls on both alike. First right
+        # after the start (cold), then once the coordinator's remembered replies have reached
+        # their byte bound (a long job's steady state): until then every logits row it keeps
+        # lands on fresh heap pages, which fault in (~0.17 ms a 1B row on the 2-core machine).
+        cold = [prefill_only() for _ in range(args.iters)]
+        cold_fixed_ms = statistics.median(w - s for w, s in cold) * 1e3
+        for _ in range(max(0, args.warmup - args.iters)):
+            prefill_cycle()
         pairs = [(prefill_only(), prefill_only(greedy=True)) for _ in range(args.iters)]
         walls, lanes = zip(*(p for p, _ in pairs), strict=True)
         prefill_ms = statistics.median(walls) * 1e3
@@ -113,6 +120,7 @@ def _point(args, cp: int, dispatch: str) -> dict:
         "prefill_ms": prefill_ms,
         "prefill_lane_ms": lane_ms,
         "prefill_fixed_ms": fixed_ms,
+        "prefill_fixed_cold_ms": cold_fixed_ms,
         "prefill_greedy_fixed_ms": greedy_fixed_ms,
         "decode_ms": decode_ms,
         "decode_greedy_ms": greedy_ms,
@@ -135,6 +143,13 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="the preset's dtype replaced")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=300,
+        help="logits prefills before the steady-state figures (the remembered replies' byte "
+        "bound, 64 MB, holds 256 rows of a 128k vocabulary)",
+    )
     parser.add_argument("--num-gpus-per-lane", type=float, default=None)
     parser.add_argument("--address", default=None)
     parser.add_argument("--json", help="write results here")
@@ -147,18 +162,23 @@ def main() -> None:
     print(f"model {args.model}, prompt {args.tokens} tokens; medians of {args.iters} in this run")
     print(
         "cp  dispatch  prefill ms  its lanes' step ms  prefill fixed ms  greedy fixed ms  "
-        "decode ms  decode_greedy ms  coordinator round ms  lane round ms"
+        "cold fixed ms  decode ms  decode_greedy ms  coordinator round ms  lane round ms"
     )
     for r in rows:
         print(
             f"{r['cp_size']:>2}  {r['dispatch']:>8}  {r['prefill_ms']:>10.2f}  "
             f"{r['prefill_lane_ms']:>18.2f}  {r['prefill_fixed_ms']:>16.2f}  "
-            f"{r['prefill_greedy_fixed_ms']:>15.2f}  {r['decode_ms']:>9.2f}  "
+            f"{r['prefill_greedy_fixed_ms']:>15.2f}  {r['prefill_fixed_cold_ms']:>13.2f}  "
+            f"{r['decode_ms']:>9.2f}  "
             f"{r['decode_greedy_ms']:>16.2f}  {r['coordinator_round_ms']:>20.2f}  "
             f"{r['lane_round_ms']:>13.2f}"
         )
     print("prefill fixed ms: the prefill's wall time less its slowest lane's step (median)")
     print("greedy fixed ms: the same for prefill(..., greedy=True) (the next token, no logits)")
+    print(
+        f"both after {args.warmup} logits prefills; cold fixed ms: the prefill's, "
+        "in the first steps after the start"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
