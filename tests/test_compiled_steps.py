@@ -424,6 +424,38 @@ def test_a_compiled_pool_answers_as_an_ordinary_one(make_client):
     del torch
 
 
+@pytest.mark.ray
+def test_check_agrees_with_the_lanes_while_steps_run(make_client):
+    """A heartbeat (check() sends them) travels as an ordinary lane call; a step decided
+    after it carries its moves through the graph and may reach the lane first. Every check
+    taken while another thread steps finds the lanes agreeing with the mirror."""
+    pytest.importorskip("torch")
+    from tests.test_lane_attention import qkv
+
+    c = make_client(cp_size=2, num_pages_per_lane=48, compiled_steps=True)
+    prompt = np.arange(9) % 200
+    stop, cycles = threading.Event(), []
+
+    def step() -> None:
+        while not stop.is_set():
+            rid = f"s{len(cycles)}"
+            c.prefill(rid, prompt, probe=qkv(prompt))
+            c.free(rid, cache=False)
+            cycles.append(rid)
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    try:
+        checks = []
+        while len(checks) < 80 or len(cycles) < 40:
+            checks.append(c.check())
+    finally:
+        stop.set()
+        stepper.join()
+    assert [ch["problems"] for ch in checks if not ch["ok"]] == []
+    assert c.stats()["mirror_mismatches"] == 0
+
+
 def wait_for(pred, timeout: float = 60.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
