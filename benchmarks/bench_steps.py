@@ -147,8 +147,9 @@ def main() -> None:
         "--warmup",
         type=int,
         default=300,
-        help="logits prefills before the steady-state figures (the remembered replies' byte "
-        "bound, 64 MB, holds 256 rows of a 128k vocabulary)",
+        help="logits prefills before the steady-state figures, the cold ones included (the "
+        "remembered replies' byte bound, 64 MB at 4 bytes a logit, holds ~130 rows of a 128k "
+        "vocabulary)",
     )
     parser.add_argument("--num-gpus-per-lane", type=float, default=None)
     parser.add_argument("--address", default=None)
@@ -176,7 +177,8 @@ def main() -> None:
     print("prefill fixed ms: the prefill's wall time less its slowest lane's step (median)")
     print("greedy fixed ms: the same for prefill(..., greedy=True) (the next token, no logits)")
     print(
-        f"both after {args.warmup} logits prefills; cold fixed ms: the prefill's, "
+        f"both after {max(args.warmup, args.iters)} logits prefills; cold fixed ms: the "
+        "prefill's, "
         "in the first steps after the start"
     )
     if args.json:

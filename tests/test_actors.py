@@ -314,12 +314,12 @@ def test_the_pools_actors_keep_big_buffers_in_the_heap(make_client):
 
 
 def test_lanes_sharing_a_gpu_are_named_and_cpu_lanes_are_not():
-    from cpkv.actors.pool import shared_gpus
+    from cpkv.actors.pool import _shared_gpus
 
     def lane(device, node="n1", gpus=("0",)):
         return {"device": device, "node_id": node, "gpu_ids": list(gpus)}
 
     infos = [lane("cuda:0"), lane("cuda:0", gpus=("1",)), lane("cuda:0"), lane("cuda:0", "n2")]
-    assert shared_gpus(infos) == [([0, 2], "node n1, GPU 0")]
-    assert shared_gpus([lane("cpu"), lane("cpu")]) == []  # logical GPUs on a CPU machine
-    assert shared_gpus([lane("cuda:0", gpus=("0",)), lane("cuda:0", gpus=("1",))]) == []
+    assert _shared_gpus(infos) == [([0, 2], "node n1, GPU 0")]
+    assert _shared_gpus([lane("cpu"), lane("cpu")]) == []  # logical GPUs on a CPU machine
+    assert _shared_gpus([lane("cuda:0", gpus=("0",)), lane("cuda:0", gpus=("1",))]) == []

@@ -147,6 +147,18 @@ def test_a_heartbeat_counts_pages_as_of_its_fence_when_later_moves_came_first(la
     assert lane._shard.num_repeats == 0  # a count is not a repeated move
 
 
+def test_a_lane_without_its_shard_yet_answers_a_heartbeat_as_a_new_lane():
+    """A lane sized from free memory that Ray restarted has no shard until the coordinator
+    resets it: its heartbeat says it is not the lane the coordinator knew."""
+    import cpkv.actors.lane as lane_module
+
+    lane = lane_module._Lane(0, 1, None, 4, KVShape(1, 2, 8, "float32"), device="cpu")
+    assert lane.heartbeat(("g", 3)) == (None, None)
+    assert lane.heartbeat() == (None, None)
+    lane.reset("g", num_pages=8)
+    assert lane.heartbeat(("g", 0))[1] == 0
+
+
 def test_a_compiled_step_whose_fence_never_comes_is_refused(lane):
     from cpkv.core.steps import StepRequest, StepSequence
 
@@ -447,11 +459,12 @@ def test_check_agrees_with_the_lanes_while_steps_run(make_client):
     stepper.start()
     try:
         checks = []
-        while len(checks) < 80 or len(cycles) < 40:
+        while (len(checks) < 80 or len(cycles) < 40) and stepper.is_alive():
             checks.append(c.check())
     finally:
         stop.set()
         stepper.join()
+    assert len(cycles) >= 40, "the stepping thread failed (its error is printed above)"
     assert [ch["problems"] for ch in checks if not ch["ok"]] == []
     assert c.stats()["mirror_mismatches"] == 0
 

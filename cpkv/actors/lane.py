@@ -121,7 +121,7 @@ class _Lane:
 
         return LaneShard(self._lane, num_pages, self._page_size, self._kv, self._device)
 
-    def heartbeat(self, fence: tuple[str, int] | None = None) -> tuple[str, int | None]:
+    def heartbeat(self, fence: tuple[str, int] | None = None) -> tuple[str | None, int | None]:
         """``(incarnation, pages held)``; ordered after every earlier coordinator call. The
         count is ``None`` while a move through ``fence`` (``(generation, seq)``) is still to
         come (one riding in a compiled step, which does not travel behind this call).
@@ -131,6 +131,8 @@ class _Lane:
         riding in a compiled step (a lane counting them too was taken for a divergence)."""
         with self._turn:
             shard = self._shard
+            if shard is None:  # restarted, not yet reset (sized from memory): a new lane
+                return None, None
             if fence is None or self._never_applied(fence):
                 return shard.incarnation, shard.num_held_pages
             if not self._applied(fence)():

@@ -335,7 +335,7 @@ def _place_lanes(
     except Exception:
         _remove(lanes, pg)
         raise
-    for ranks, gpu in shared_gpus(infos):
+    for ranks, gpu in _shared_gpus(infos):
         logger.warning(
             "lanes %s share one GPU (%s): packed lanes are for tests and development. "
             "Measured on an H100 (Llama-3.2-1B shape), four lanes packed on it took 28 ms "
@@ -348,10 +348,10 @@ def _place_lanes(
     return pg, lanes
 
 
-def shared_gpus(infos: list[dict]) -> list[tuple[list[int], str]]:
+def _shared_gpus(infos: list[dict]) -> list[tuple[list[int], str]]:
     """``(ranks, gpu)`` of each physical GPU two or more CUDA lanes share, from the lanes'
     ``info()`` (lanes on CPU, logical GPUs included, share nothing)."""
-    by_gpu: dict[tuple, list[int]] = {}
+    by_gpu: dict[tuple[str | None, tuple[str, ...]], list[int]] = {}
     for rank, info in enumerate(infos):
         if str(info.get("device", "")).startswith("cuda"):
             gpu = (info.get("node_id"), tuple(info.get("gpu_ids", ())))

@@ -91,7 +91,8 @@ def main() -> None:
         "--warmup",
         type=int,
         default=300,
-        help="steps first (the coordinator's remembered replies filled to their byte bound)",
+        help="steps first (with a big vocabulary's logits, ~130 of them fill the coordinator's "
+        "remembered replies to their byte bound)",
     )
     args = ap.parse_args()
     config = preset_config(args.model)
