@@ -124,6 +124,61 @@ class BlockingResetTransport(LocalLaneTransport):
         return future
 
 
+class FailingResetTransport(LocalLaneTransport):
+    """Resets of ``lane`` fail ``times`` times with ``error`` (then run), once armed."""
+
+    def __init__(self, *args, lane: int, error: type[Exception], times: int) -> None:
+        super().__init__(*args)
+        self.lane, self.error, self.left = lane, error, 0
+        self.times = times
+
+    def submit(self, lane, method, *args):
+        if lane == self.lane and method == "reset" and self.left > 0:
+            self.left -= 1
+            future: Future = Future()
+            future.set_exception(self.error(f"lane {lane}: reset refused"))
+            return future
+        return super().submit(lane, method, *args)
+
+
+@pytest.mark.parametrize(
+    ("error", "back"),
+    [(channel_module.LaneUnreachableError, True), (channel_module.LaneDeadError, False)],
+    ids=["unreachable-while-restarting", "dead-each-time"],
+)
+def test_a_lane_unreachable_while_it_restarts_comes_back_one_that_keeps_dying_does_not(error, back):
+    """Ray answers a call to an actor it is restarting with ActorUnavailableError, several
+    times over seconds (measured: three in 5.3 s); that is one death, not several."""
+    transport = FailingResetTransport(4, 32, 4, KV, lane=1, error=error, times=8)
+    coord, _ = make(transport)
+    transport.left = transport.times
+    transport.restart(1)  # a new incarnation: the heartbeat finds the lane lost
+    coord.heartbeat_once()  # finds it lost and starts its recovery
+    coord.wait_recovered(10)
+    assert coord.lane_states()[1] == ("up" if back else "dead")
+    assert transport.left == (0 if back else transport.times - 5)
+
+
+def test_ray_transport_names_an_unreachable_lane_apart_from_a_dead_one(monkeypatch):
+    import ray
+
+    from cpkv.actors.transport import RayLaneTransport
+
+    transport = RayLaneTransport([])
+    for raised, expected in [
+        (ray.exceptions.ActorUnavailableError("restarting", None), "LaneUnreachableError"),
+        (ray.exceptions.ActorDiedError(), "LaneDeadError"),
+    ]:
+
+        def get(*_args, raised=raised, **_kwargs):
+            raise raised
+
+        monkeypatch.setattr(ray, "get", get)
+        with pytest.raises(channel_module.LaneDeadError) as info:
+            transport.result(object(), 1.0)
+        assert type(info.value).__name__ == expected
+
+
 def test_a_restarting_lane_stalls_nobody():
     transport = BlockingResetTransport(4, 32, 4, KV, lane=2)
     coord, _ = make(transport)

@@ -7,7 +7,7 @@ from typing import Any
 
 import ray
 
-from cpkv.coordinator.channel import LaneDeadError
+from cpkv.coordinator.channel import LaneDeadError, LaneUnreachableError
 from cpkv.core.steps import StepPacket
 
 __all__ = ["CompiledRayLaneTransport", "RayLaneTransport"]
@@ -31,7 +31,9 @@ class RayLaneTransport:
             return ray.get(handle, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"lane call unanswered after {timeout}s") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+        except ray.exceptions.ActorUnavailableError as e:  # a RayActorError: caught first
+            raise LaneUnreachableError(f"{type(e).__name__}: {e}") from None
+        except ray.exceptions.RayActorError as e:
             raise LaneDeadError(f"{type(e).__name__}: {e}") from None
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None

@@ -33,7 +33,14 @@ import numpy as np
 from cpkv.core.moves import MovesNotApplied
 from cpkv.core.steps import LaneReply, StepPacket
 
-__all__ = ["LaneChannel", "LaneDeadError", "LaneTransport", "StepAborted", "StepHandles"]
+__all__ = [
+    "LaneChannel",
+    "LaneDeadError",
+    "LaneTransport",
+    "LaneUnreachableError",
+    "StepAborted",
+    "StepHandles",
+]
 
 # How long a decided page move may wait for a step to carry it before it is sent on its
 # own (with every other move waiting then). On the 2-core machine (bench_actors.py
@@ -49,6 +56,11 @@ IDLE_POLLS = 100
 
 class LaneDeadError(RuntimeError):
     """The lane's actor died or is restarting: its reply will never come."""
+
+
+class LaneUnreachableError(LaneDeadError):
+    """The lane's actor could not be reached, as while Ray restarts it (Ray's
+    ActorUnavailableError): this call is lost, a later one may be answered."""
 
 
 class StepAborted(RuntimeError):

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cpkv.coordinator.channel import LaneChannel, LaneDeadError
+from cpkv.coordinator.channel import LaneChannel, LaneDeadError, LaneUnreachableError
 from cpkv.core.availability import LaneAvailability
 from cpkv.core.backend import choose_backend, device_id
 from cpkv.core.steps import group_id
@@ -193,7 +193,9 @@ class LaneSupervisor:
                 )
                 break
             except Exception as e:
-                deaths += isinstance(e, LaneDeadError)
+                # NOTE: unreachable is not a death: Ray answers so while it restarts the
+                # actor, several times over seconds (three in 5.3 s, 2-core machine).
+                deaths += isinstance(e, LaneDeadError) and not isinstance(e, LaneUnreachableError)
                 if deaths >= _MAX_DEATHS or time.monotonic() >= deadline:
                     with self._lock:
                         if self._channel.generation(lane) == gen:
