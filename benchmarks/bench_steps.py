@@ -178,8 +178,7 @@ def main() -> None:
     print("greedy fixed ms: the same for prefill(..., greedy=True) (the next token, no logits)")
     print(
         f"both after {max(args.warmup, args.iters)} logits prefills; cold fixed ms: the "
-        "prefill's, "
-        "in the first steps after the start"
+        "prefill's, in the first steps after the start"
     )
     if args.json:
         with open(args.json, "w") as f:
