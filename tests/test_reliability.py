@@ -49,6 +49,8 @@ class StepLanes(LocalLaneTransport):
         super().__init__(CFG.cp_size, CFG.num_pages_per_lane, CFG.page_size, KV)
         self.fail: set[int] = set()  # step ids that fail
         self.hung: set[int] = set()  # lanes that answer nothing
+        self.hold: set[int] = set()  # step ids left running until released
+        self._held: dict[int, list[tuple[int, Future, Future]]] = {}
         self.killed: list[int] = []
 
     def submit(self, lane, method, *args):
@@ -68,14 +70,27 @@ class StepLanes(LocalLaneTransport):
             status.set_exception(e)
             result.set_exception(e)
             return status, result
-        if step.step_id in self.fail:
-            err = RuntimeError(f"lane {lane}: step {step.step_id} failed")
+        if step.step_id in self.hold:
+            self._held.setdefault(step.step_id, []).append((lane, status, result))
+        else:
+            self._answer(lane, step.step_id, status, result)
+        return status, result  # as a Ray actor method of two returns gives two handles
+
+    def _answer(self, lane: int, step_id: int, status: Future, result: Future) -> None:
+        if step_id in self.fail:
+            err = RuntimeError(f"lane {lane}: step {step_id} failed")
             status.set_exception(err)
             result.set_exception(err)
         else:
-            status.set_result({"step_id": step.step_id})
+            status.set_result({"step_id": step_id})
             result.set_result(StepResult(0, 0.0, 0.0, 0.0, "pass_q", 0))
-        return status, result  # as a Ray actor method of two returns gives two handles
+
+    def release(self, step_id: int, fail: bool = False) -> None:
+        """Every lane answers the held step ``step_id`` now (``fail``: with an error)."""
+        if fail:
+            self.fail.add(step_id)
+        for lane, status, result in self._held.pop(step_id):
+            self._answer(lane, step_id, status, result)
 
     def kill(self, lane: int) -> None:
         self.killed.append(lane)
@@ -127,6 +142,39 @@ def test_a_failed_prefill_never_reaches_the_prefix_cache():
     again = prefill(coord, "a", "r2", prompt)
     assert again["allocations"][0].cached_len == 0  # no hit on pages never written
     assert coord.check()["ok"]
+
+
+def test_a_step_still_running_after_its_rid_was_freed_and_reused_settles_on_its_own_request():
+    """Steps are tracked by request, not by rid: the old request's step finishing after a new
+    request took its rid neither marks the new one's K/V written (its pages would be cached
+    before its own step ran, then hit by a later prompt after that step failed) nor fails it."""
+    coord, lanes = make()
+    coord.hello("a")
+    prompt = np.arange(1, 17)
+    lanes.hold.update({1, 2})
+    prefill(coord, "a", "r", prompt)  # step 1, still running
+    ok(coord.free(coord.epoch, "a", None, "r", True))  # nothing of step 1 is known written
+    prefill(coord, "a", "r", prompt)  # step 2: another request of the same name
+    lanes.release(1)  # the freed request's step succeeds
+    ok(coord.free(coord.epoch, "a", None, "r", True))  # step 2 still running: caches nothing
+    lanes.release(2, fail=True)
+    assert coord.stats()["cached"] == [0, 0]
+    hit = ok(coord.allocate_extend(coord.epoch, "a", None, "probe", prompt))
+    assert hit.cached_len == 0  # no hit on K/V that no step wrote
+    assert coord.check()["ok"]
+
+
+def test_a_freed_requests_failed_step_does_not_fail_the_request_that_reused_its_rid():
+    coord, lanes = make()
+    coord.hello("a")
+    lanes.hold.add(1)
+    prefill(coord, "a", "r", np.arange(1, 9))  # step 1, still running
+    ok(coord.free(coord.epoch, "a", None, "r", False))
+    prefill(coord, "a", "r", np.arange(1, 9))  # step 2 succeeds at once
+    lanes.release(1, fail=True)
+    slots = ok(coord.allocate_decode(coord.epoch, "a", None, ["r"], [5]))
+    assert len(slots) == 1 and coord.stats()["failed_steps"] == 1
+    assert coord._core.request_len(coord._key("a", "r")) == 9
 
 
 def test_a_step_that_cannot_be_sent_leaves_no_gap_in_the_lanes_page_moves(monkeypatch):

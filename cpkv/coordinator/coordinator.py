@@ -101,7 +101,10 @@ class _InflightStep:
     """A step dispatched to every lane whose outcome is not known yet."""
 
     step_id: int
-    lengths: list[tuple[Hashable, int]]  # (request key, its length once the step wrote)
+    # (request key, its length once the step wrote, the request's track). NOTE: the track
+    # names the request instance: a rid freed and allocated again while this step ran is
+    # another request, which this step's outcome must not touch.
+    lengths: list[tuple[Hashable, int, _Track]]
     # per lane, the future of (status handle, result handle): a Future or StepHandles
     handles: list[Future | StepHandles]
 
@@ -541,7 +544,7 @@ class Coordinator:
             if track is None:
                 track = self._tracks[s.rid] = _Track(written=s.prefix_len)
             track.inflight += 1
-            lengths.append((s.rid, s.seq_len))
+            lengths.append((s.rid, s.seq_len, track))
         self._inflight[step.step_id] = _InflightStep(step.step_id, lengths, handles)
 
     def _settle_steps(self) -> None:
@@ -570,20 +573,19 @@ class Coordinator:
                 continue
             del self._inflight[sid]
             if error is None:
-                for key, length in st.lengths:
-                    track = self._tracks.get(key)
-                    if track is not None:
-                        track.written = max(track.written, length)
-                        track.inflight -= 1
+                for _key, length, track in st.lengths:
+                    track.written = max(track.written, length)
+                    track.inflight -= 1
                 continue
             self.num_failed_steps += 1
             self._supervisor.drop_group()  # every lane left the group: build a new one
             detail = f"step {sid} failed: {type(error).__name__}: {str(error)[:300]}"
             logger.warning("%s; its requests are marked failed", detail)
-            for key, _length in st.lengths:
-                track = self._tracks.pop(key, None)
-                if track is not None and self._core.has_request(key):
-                    self._failed[key] = (detail, track.written)
+            for key, _length, track in st.lengths:
+                if self._tracks.get(key) is track:  # not freed (nor its rid reused) since
+                    del self._tracks[key]
+                    if self._core.has_request(key):
+                        self._failed[key] = (detail, track.written)
 
     def _request_error(self, client_id: str | None, op: str, requests) -> CPKVError | None:
         """What a step's requests answer whatever the lanes' state: lost with a lane
