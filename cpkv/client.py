@@ -569,8 +569,10 @@ class CPKVClient:
             check_vocab(toks, self.vocab_size)
         return rids, toks
 
-    def _free_args(self, rid, committed_len) -> Hashable:
+    def _free_args(self, rid, cache, committed_len) -> Hashable:
         rid = check_rid(rid)
+        if not isinstance(cache, (bool, np.bool_)):
+            raise InvalidRequestError(f"cache={cache!r} must be True or False")
         if committed_len is not None:
             check_int("committed_len", committed_len, minimum=0)
         return rid
@@ -743,7 +745,7 @@ class CPKVClient:
         """Release a request; full pages go to the prefix cache when ``cache`` (only pages
         whose K/V is known written: a request whose step failed, or is still running,
         caches no page of that step)."""
-        rid = self._free_args(rid, committed_len)
+        rid = self._free_args(rid, cache, committed_len)
         return self._run(self._free(rid, cache, committed_len, call_id))
 
     async def free_async(
@@ -755,7 +757,7 @@ class CPKVClient:
         call_id: Hashable | None = None,
     ) -> int:
         """Async twin of :meth:`free`."""
-        rid = self._free_args(rid, committed_len)
+        rid = self._free_args(rid, cache, committed_len)
         return await self._arun(self._free(rid, cache, committed_len, call_id))
 
     def _free(self, rid, cache, committed_len, call_id) -> _Call:
@@ -815,7 +817,7 @@ class CPKVClient:
         rid, tokens = self._extend_args(rid, token_ids, cache_salt, step=probe is None)
         mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
-        out = self._step(
+        out, call_id = self._step(
             "prefill", rid, tokens, cache_salt, mode, probe, greedy,
             call_id=call_id, deadline_s=deadline_s,
         )  # fmt: skip
@@ -839,7 +841,9 @@ class CPKVClient:
         checked = self._batch_args(items, cache_salt, "prefill_batch", step=probe is None)
         mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
-        out = self._step("prefill_batch", checked, cache_salt, mode, probe, greedy, call_id=call_id)
+        out, call_id = self._step(
+            "prefill_batch", checked, cache_salt, mode, probe, greedy, call_id=call_id
+        )
         self._rids.update(rid for rid, _ in checked)
         for rid, _ in checked:
             self._held.pop(rid, None)
@@ -915,7 +919,7 @@ class CPKVClient:
             raise InvalidRequestError("decode needs the token id of every request")
         mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
-        out = self._step(
+        out, call_id = self._step(
             "decode", rids, toks, mode, probe, sample, call_id=call_id, deadline_s=deadline_s
         )
         for rid in rids:
@@ -945,16 +949,28 @@ class CPKVClient:
             out.append(int(self.decode_greedy([rid], [out[-1]])[0]))
         return out
 
-    def _step(self, method: str, *args, call_id: Hashable, deadline_s: float | None = None):
+    def _step(
+        self, method: str, *args, call_id: Hashable, deadline_s: float | None = None
+    ) -> tuple[dict, Hashable]:
         """Send a step to the coordinator (capacity waits retried with backoff until
-        ``deadline_s``); its answer: the allocations and the lanes' result handles."""
+        ``deadline_s``).
+
+        Returns:
+            Its answer (the allocations and the lanes' result handles) and the call id that
+            got it: a capacity wait took no effect, so each retry is a new call (the
+            coordinator answers a repeated call id with its first answer, the wait).
+        """
+        attempt = [call_id]
 
         def once():
-            return self._run(self._step_call(method, *args, call_id=call_id))
+            try:
+                return self._run(self._step_call(method, *args, call_id=attempt[0]))
+            except KVCapacityWaitError:
+                attempt[0] = self._call_id()
+                raise
 
-        if deadline_s is None:
-            return once()
-        return _with_backoff(once, deadline_s=deadline_s)
+        out = once() if deadline_s is None else _with_backoff(once, deadline_s=deadline_s)
+        return out, attempt[0]
 
     def _step_call(self, method: str, *args, call_id: Hashable) -> _Call:
         """A step through the client's step graph when it takes it, else (or for the retries

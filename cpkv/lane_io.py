@@ -78,9 +78,7 @@ class LaneIO:
         """Write K/V of tokens at their global slots (see :meth:`CPKVClient.store_kv`)."""
         slots = self._slots(slots)
         self._check_kv(slots, k, v)
-        check_int("layer", layer, minimum=0)
-        if layer >= self._kv.num_layers:
-            raise InvalidRequestError(f"layer={layer} >= num_layers={self._kv.num_layers}")
+        layer = self._layer(layer)
         calls = {}
         for r, (idx, local) in enumerate(self._layout.split_slots(slots)):
             if idx.size:
@@ -93,6 +91,7 @@ class LaneIO:
         import torch
 
         slots = self._slots(slots)
+        layer = self._layer(layer)
         parts = self._layout.split_slots(slots)
         calls = {
             r: (self._lanes[r].gather_kv, (local, layer))
@@ -127,6 +126,12 @@ class LaneIO:
             except actor_death(ray) as e:
                 raise self._lane_lost(r, what, f"{what}: {type(e).__name__}") from None
         return out
+
+    def _layer(self, layer: object) -> int:
+        layer = check_int("layer", layer, minimum=0)
+        if layer >= self._kv.num_layers:
+            raise InvalidRequestError(f"layer={layer} >= num_layers={self._kv.num_layers}")
+        return layer
 
     def _check_kv(self, slots: np.ndarray, k, v) -> None:
         import torch

@@ -107,6 +107,27 @@ def test_backoff_succeeds_once_another_request_frees(make_client):
     assert c.stats()["capacity_waits"] >= 1
 
 
+def test_a_step_with_a_deadline_succeeds_once_another_request_frees(make_client):
+    """Each retry of a step's capacity wait is a new call: the coordinator answers a repeated
+    call id with its first answer, which would be the wait again."""
+    c = make_client(**SMALL)
+    n, heads, dim = 64, DEFAULTS["num_heads"], DEFAULTS["head_dim"]
+    warm = tuple(torch.randn(4, heads, dim) for _ in range(3))
+    c.prefill("warm", np.arange(4), probe=warm)  # the lanes' group is up before the wait
+    c.free("warm", cache=False)
+    c.allocate_extend("hold", np.arange(64))
+    probe = tuple(torch.randn(n, heads, dim) for _ in range(3))
+    timer = threading.Timer(0.4, lambda: c.free("hold", cache=False))
+    timer.start()
+    t0 = time.monotonic()
+    res = c.prefill("big", np.arange(1000, 1000 + n), probe=probe, deadline_s=20)
+    assert time.monotonic() - t0 >= 0.3
+    assert res.allocation.num_new_pages == 16
+    timer.join()
+    c.free("big", cache=False)
+    assert c.stats()["capacity_waits"] >= 1 and c.check()["ok"]
+
+
 def test_backoff_reraises_at_deadline(make_client):
     c = make_client(**SMALL)
     c.allocate_extend("hold", np.arange(64))

@@ -73,6 +73,11 @@ LOCAL = [  # rejected on the caller's side, before any actor call
     ("slot out of range", lambda c: c.store_kv([40, 41, 10**9], K, K), "1000000000"),
     ("negative slot", lambda c: c.gather_kv([-5]), "-5"),
     ("layer out of range", lambda c: c.store_kv([40, 41, 42], K, K, layer=3), "layer=3"),
+    ("gather layer out of range", lambda c: c.gather_kv([40], layer=3), "layer=3"),
+    ("gather negative layer", lambda c: c.gather_kv([40], layer=-1), "-1"),
+    ("gather str layer", lambda c: c.gather_kv([40], layer="0"), "'0'"),
+    ("gather bool layer", lambda c: c.gather_kv([40], layer=True), "True"),
+    ("str cache flag", lambda c: c.free("live", cache="no"), "cache='no'"),
     ("float slots", lambda c: c.gather_kv([1.0, 2.0]), "float"),
     # issue 19.9: each used to change state, crash, or raise a TypeError
     ("str as decode rids", lambda c: c.allocate_decode("ab"), "list of request ids"),

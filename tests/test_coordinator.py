@@ -205,6 +205,9 @@ def test_a_restarting_lane_stalls_nobody():
     for rid in lost:
         with pytest.raises(LaneUnavailableError):
             call(coord, "allocate_decode", [rid])
+        with pytest.raises(LaneUnavailableError) as info:  # a step says so by the caller's id
+            call(coord, "decode", [rid], np.array([5]))
+        assert info.value.rids == [rid]
     assert time.monotonic() - t0 < 0.5  # nobody waited for the restart
     transport.release.set()
     assert coord.wait_recovered(5)

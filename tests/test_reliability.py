@@ -227,6 +227,26 @@ def test_a_step_with_a_token_outside_the_vocabulary_is_refused_before_any_decisi
     assert coord.stats()["num_requests"] == before["num_requests"] == 0
 
 
+def test_misuse_that_skips_the_client_is_answered_as_an_invalid_request():
+    """The coordinator's calls answer values (never raise): arguments only the client checks
+    are refused there too, before they reach a decision."""
+    coord, lanes = make()
+    lanes.hold.add(1)
+    prefill(coord, "a", "r", np.arange(1, 9))  # its step in flight
+    bad = [
+        coord.free(coord.epoch, "a", None, "r", True, "3"),
+        coord.allocate_extend(coord.epoch, "a", None, "n", [1, 2**63]),
+        coord.prefill(coord.epoch, "a", None, "n", [1, 2**64]),
+        coord.allocate_extend(coord.epoch, "a", None, "n", [1, "x"]),
+        coord.decode(coord.epoch, "a", None, ["r"], None),  # a step with no token ids
+    ]
+    for out in bad:
+        assert isinstance(out, InvalidRequestError), out
+    lanes.release(1)
+    assert coord.stats()["num_requests"] == 1
+    assert coord._core.request_len(coord._key("a", "r")) == 8
+
+
 # --------------------------------------------------------------- safe retries (19.3)
 def test_a_repeated_call_id_takes_effect_once_and_only_for_its_own_call():
     coord, _ = make()

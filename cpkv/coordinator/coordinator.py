@@ -46,6 +46,7 @@ from cpkv.core.steps import StepRequest, StepSequence, check_mode
 from cpkv.core.validate import (
     RequestKey,
     as_token_array,
+    check_int,
     check_rid,
     check_rids,
     check_vocab,
@@ -289,6 +290,8 @@ class Coordinator:
             key = self._key(client_id, rid)
             written = self._written_len(key)
             committed = committed_len
+            if committed is not None:  # compared below before the core checks it
+                committed = check_int("committed_len", committed, minimum=0)
             if written is not None and cache:
                 if committed is not None and committed > self._core.request_len(key):
                     committed = max(committed, written)  # the core names the bad value
@@ -406,7 +409,7 @@ class Coordinator:
         group = self._ensure_group()
         if isinstance(group, CPKVError):
             # A request the step cannot continue says so before any wait for the lanes.
-            return self._request_error(client_id, op, requests) or group
+            return self._for_caller(self._request_error(client_id, op, requests)) or group
 
         def decide_and_submit() -> dict:
             if op == "decode":
@@ -490,6 +493,8 @@ class Coordinator:
         checked against the vocabulary. Returns the slots, the requests' keys and the ids."""
         keys = self._keys(client_id, rids)
         if step:
+            if token_ids is None and probe is None:
+                raise InvalidRequestError("a decode step needs the token id of every request")
             token_ids = self._step_tokens(rids, token_ids, probe)
         for key in keys:
             self._check_not_failed(key)
@@ -1026,7 +1031,10 @@ def _digest(*parts: Any, crc: int = 0) -> int:
         elif isinstance(part, np.ndarray):
             crc = zlib.crc32(np.ascontiguousarray(part).astype(np.int64, copy=False).data, crc)
         elif isinstance(part, (list, tuple)) and part and isinstance(part[0], (int, np.integer)):
-            crc = zlib.crc32(np.asarray(part, dtype=np.int64).data, crc)
+            try:
+                crc = zlib.crc32(np.asarray(part, dtype=np.int64).data, crc)
+            except (OverflowError, TypeError, ValueError):  # not ids: the call refuses them
+                crc = zlib.crc32(repr(part).encode(), crc)
         else:
             crc = zlib.crc32(repr(part).encode(), crc)
     return crc
