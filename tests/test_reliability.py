@@ -280,6 +280,45 @@ def test_replies_are_bounded_in_bytes_and_a_dropped_reply_is_never_rerun():
     assert coord._core.request_len(coord._key("a", "r")) == 8
 
 
+def test_past_the_count_bound_a_numbered_key_is_known_forgotten_and_a_new_one_is_not():
+    cache = ReplyCache(2, numbered=lambda key: key if isinstance(key, tuple) else None)
+    for n in (1, 2, 3):
+        cache.put(("a", n), n)
+    cache.put("plain", 0)  # an unnumbered key: forgotten for good once dropped
+    assert ("a", 1) not in cache and ("a", 2) not in cache
+    assert cache.is_forgotten(("a", 1)) and cache.is_forgotten(("a", 2))
+    assert not cache.is_forgotten(("a", 3)) and not cache.is_forgotten(("a", 4))
+    assert not cache.is_forgotten(("b", 1)) and not cache.is_forgotten("other")
+    cache.forget_stream("a")
+    assert not cache.is_forgotten(("a", 1))
+
+
+def test_a_clients_retry_older_than_the_remembered_calls_is_refused_not_run_again(monkeypatch):
+    monkeypatch.setattr(coordinator_module, "_MAX_REMEMBERED_CALLS", 8)
+    coord, _ = make()
+    first = ("a", 0)  # the ids a client makes: (client id, n)
+    ok(coord.allocate_extend(coord.epoch, "a", first, "r", np.arange(1, 11)))
+    for n in range(1, 20, 2):  # its later calls, and another client's, push it out
+        ok(coord.allocate_extend(coord.epoch, "a", ("a", n), "x", [1]))
+        ok(coord.free(coord.epoch, "a", ("a", n + 1), "x", False))
+        coord.free(coord.epoch, "b", ("b", n), "ghost", False)  # answered (an error)
+    late = coord.allocate_extend(coord.epoch, "a", first, "r", np.arange(1, 11))
+    assert isinstance(late, InvalidRequestError) and "older than" in str(late)
+    assert coord._core.request_len(coord._key("a", "r")) == 10  # not extended twice
+    # Its retry with token ids (after a stale digest) is numbered alike.
+    tokens_id = ("tokens", ("a", 1))
+    ok(coord.allocate_extend(coord.epoch, "a", tokens_id, "t", [1]))
+    for n in range(2, 12, 2):
+        ok(coord.allocate_extend(coord.epoch, "a", ("tokens", ("a", n)), "y", [1]))
+        ok(coord.free(coord.epoch, "a", ("tokens", ("a", n + 1)), "y", False))
+    late = coord.allocate_extend(coord.epoch, "a", tokens_id, "t", [1])
+    assert isinstance(late, InvalidRequestError)
+    assert coord._core.request_len(coord._key("a", "t")) == 1
+    # A client that closed its lease sends nothing more: what was kept of it goes.
+    coord.close_lease("a")
+    assert not coord._replies.is_forgotten(("a", first))
+
+
 def _walked_put(replies: dict, key, reply, nbytes: int, capacity: int, max_bytes: int) -> None:
     """The byte bound as a walk over every kept reply, oldest first (the reference)."""
     replies.pop(key, None)

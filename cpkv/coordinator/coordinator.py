@@ -223,7 +223,9 @@ class Coordinator:
             self._core = CPAllocator.from_config(
                 self.config, record_page_moves=True, hash_key=self._hash_key
             )
-            self._replies = ReplyCache(_MAX_REMEMBERED_CALLS, _MAX_REMEMBERED_BYTES)
+            self._replies = ReplyCache(
+                _MAX_REMEMBERED_CALLS, _MAX_REMEMBERED_BYTES, numbered=_client_call_number
+            )
             self._tracks: dict[Hashable, _Track] = {}
             self._failed: dict[Hashable, tuple[str, int]] = {}
             self._inflight: dict[int, _InflightStep] = {}
@@ -346,7 +348,9 @@ class Coordinator:
         sample: bool = False,
     ) -> Any:
         """:meth:`prefill` of several requests in one step (each with its own owner plan)."""
-        digest = _digest("prefill_batch", _items_digest(items), cache_salt, mode, bool(sample))
+        digest = _digest(
+            "prefill_batch", _items_digest(items), cache_salt, mode, probe is not None, bool(sample)
+        )
         return self._run_step(
             epoch, client_id, call_id, "prefill", digest, mode, probe, items, cache_salt,
             sample=bool(sample),
@@ -720,6 +724,8 @@ class Coordinator:
             rids = self._leases.close(client_id)
             self._free_quietly(rids)
             self._dispatch("lease")
+            for stream in _client_call_streams(client_id):  # it sends no call after this
+                self._replies.forget_stream(stream)
             return len(rids)
 
     def expire_leases(self) -> int:
@@ -894,6 +900,12 @@ class Coordinator:
             key = None if call_id is None else (client_id, call_id)
             if key is not None and key in self._replies:
                 return self._repeat(key, op, digest, call_id)
+            if key is not None and self._replies.is_forgotten(key):
+                return InvalidRequestError(
+                    f"call_id={call_id!r} is older than the {self._replies.capacity} calls "
+                    "the coordinator remembers: it was answered long ago, so it is not run "
+                    "again (a retry must come sooner; check the request's state instead)"
+                )
             lapsed = self._lapse_notice(client_id)
             if lapsed is not None:
                 if key is not None:  # a retry of this call gets the same notice
@@ -1010,6 +1022,28 @@ def _worth_sharing(step: StepRequest, cp_size: int) -> bool:
         return False
     nbytes = sum(8 * s.extend_len + 4 * s.pages.shape[0] for s in step.sequences)
     return nbytes >= _SHARE_MIN_BYTES
+
+
+def _client_call_number(key: tuple) -> tuple[Hashable, int] | None:
+    """A client's own call ids, ``(client id, n)`` with ``n`` counting up (and its retry
+    with token ids, ``("tokens", that)``), as ``(stream, n)``; ``None`` for any other id.
+    NOTE: so a retry of such a call is never run twice, however late it comes."""
+    client_id, call_id = key
+    stream, tokens_stream = _client_call_streams(client_id)
+    if type(call_id) is tuple and len(call_id) == 2 and call_id[0] == "tokens":
+        stream, call_id = tokens_stream, call_id[1]
+    if (
+        type(call_id) is tuple
+        and len(call_id) == 2
+        and call_id[0] == client_id
+        and type(call_id[1]) is int
+    ):
+        return stream, call_id[1]
+    return None
+
+
+def _client_call_streams(client_id: str | None) -> tuple[tuple, tuple]:
+    return (client_id,), (client_id, "tokens")
 
 
 def _namespace_of(key: Hashable) -> str | None:

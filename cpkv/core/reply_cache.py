@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 __all__ = ["DROPPED", "ReplyCache"]
@@ -37,11 +37,29 @@ class ReplyCache:
         max_bytes: bytes of replies kept (each reply's size as given to :meth:`put`);
             ``None`` for no bound. Past it the oldest replies are replaced by :data:`DROPPED`
             (their keys stay, so a repeat is still recognised, never run twice).
+        numbered: ``key -> (stream, number)`` for keys a caller numbers in increasing order
+            (``None`` for other keys). Past ``capacity`` the oldest keys are forgotten; of a
+            numbered stream the highest number forgotten is kept, so :meth:`is_forgotten`
+            still knows a late repeat of any key at or below it.
     """
 
-    __slots__ = ("_replies", "_sized", "capacity", "max_bytes", "nbytes", "num_hits")
+    __slots__ = (
+        "_forgotten_upto",
+        "_numbered",
+        "_replies",
+        "_sized",
+        "capacity",
+        "max_bytes",
+        "nbytes",
+        "num_hits",
+    )
 
-    def __init__(self, capacity: int, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        max_bytes: int | None = None,
+        numbered: Callable[[Hashable], tuple[Hashable, int] | None] | None = None,
+    ) -> None:
         assert capacity >= 1, capacity
         assert max_bytes is None or max_bytes >= 0, max_bytes
         self.capacity = capacity
@@ -50,6 +68,8 @@ class ReplyCache:
         # NOTE: the keys whose reply still holds bytes, oldest first, so the byte bound drops
         # them without walking the dropped ones (a walk cost ~150 us a put with 1024 kept).
         self._sized: OrderedDict[Hashable, None] = OrderedDict()
+        self._numbered = numbered
+        self._forgotten_upto: dict[Hashable, int] = {}
         self.nbytes = 0
         self.num_hits = 0
 
@@ -75,6 +95,15 @@ class ReplyCache:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._replies
 
+    def is_forgotten(self, key: Hashable) -> bool:
+        """Whether ``key`` is not kept but numbered at or below a key of its stream that the
+        count bound forgot: an old key (a late repeat), never a new one."""
+        numbered = self._numbered(key) if self._numbered is not None else None
+        if numbered is None or key in self._replies:
+            return False
+        upto = self._forgotten_upto.get(numbered[0])
+        return upto is not None and numbered[1] <= upto
+
     def put(self, key: Hashable, reply: Any, *, tag: Any = None, nbytes: int = 0) -> Any:
         """Remember ``reply`` (of ``nbytes``) for ``key`` with ``tag``; returns it."""
         old = self._replies.pop(key, None)
@@ -90,6 +119,8 @@ class ReplyCache:
             if size:
                 self.nbytes -= size
                 del self._sized[oldest]
+            if self._numbered is not None:
+                self._forget_numbered(oldest)
         if self.max_bytes is not None:
             while self.nbytes > self.max_bytes:
                 k, _ = self._sized.popitem(last=False)
@@ -98,9 +129,21 @@ class ReplyCache:
                 self.nbytes -= size
         return reply
 
+    def forget_stream(self, stream: Hashable) -> None:
+        """Forget what the count bound forgot of ``stream`` (no repeat of it can come)."""
+        self._forgotten_upto.pop(stream, None)
+
+    def _forget_numbered(self, key: Hashable) -> None:
+        numbered = self._numbered(key)
+        if numbered is not None:
+            stream, number = numbered
+            if number > self._forgotten_upto.get(stream, number - 1):
+                self._forgotten_upto[stream] = number
+
     def clear(self) -> None:
         self._replies.clear()
         self._sized.clear()
+        self._forgotten_upto.clear()
         self.nbytes = 0
 
     def __len__(self) -> int:
