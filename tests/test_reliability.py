@@ -177,11 +177,16 @@ def test_a_freed_requests_failed_step_does_not_fail_the_request_that_reused_its_
     assert coord._core.request_len(coord._key("a", "r")) == 9
 
 
-def test_a_step_that_cannot_be_sent_leaves_no_gap_in_the_lanes_page_moves(monkeypatch):
-    """Putting the step in the object store fails after its pages were decided: the page moves
-    riding in it were never numbered, so the next step's reach the lanes in order."""
+def test_a_step_that_cannot_be_sent_fails_its_request_and_sends_its_moves_as_its_callers(
+    monkeypatch,
+):
+    """Putting the step in the object store fails after its pages were decided: the request
+    is failed (its K/V never written, so nothing of it is cached, and a retry of the call
+    answers the same), and its page moves go out at once, numbered in order and owned by
+    the caller's namespace (not by whoever calls next)."""
     coord, lanes = make()
-    coord.hello("a")
+    ns_a = coord.hello("a")["namespace_id"]
+    coord.hello("b")
     monkeypatch.setattr(coordinator_module, "_worth_sharing", lambda step, cp: True)
     failures = iter([MemoryError("object store full")])
 
@@ -191,11 +196,20 @@ def test_a_step_that_cannot_be_sent_leaves_no_gap_in_the_lanes_page_moves(monkey
         return obj
 
     lanes.share = share
-    with pytest.raises(MemoryError):
-        prefill(coord, "a", "r", np.arange(1, 33))
-    prefill(coord, "a", "r2", np.arange(40, 60))
+    prompt = np.arange(1, 33)
+    with pytest.raises(StepFailedError, match="could not be sent: MemoryError"):
+        prefill(coord, "a", "r", prompt, call_id=1)
+    with pytest.raises(StepFailedError, match="could not be sent"):  # the retry: the same
+        prefill(coord, "a", "r", prompt, call_id=1)
+    ok(coord.allocate_extend(coord.epoch, "b", None, "other", np.arange(100, 104)))
+    assert coord.check()["ok"]  # every move decided so far applied on the lanes
+    pages = coord._core.request_pages(coord._key("a", "r"))
+    assert [int(lanes.shards[p % 2]._owner[p // 2]) for p in pages] == [ns_a] * len(pages)
+    ok(coord.free(coord.epoch, "a", None, "r", True))
+    assert coord.stats()["cached"] == [0, 0]
+    hit = prefill(coord, "b", "r2", np.append(prompt, 7))
+    assert hit["allocations"][0].cached_len == 0
     assert coord.stats()["lane_losses"] == []
-    assert all(s.last_seq == 1 for s in lanes.shards)  # the second step's moves: seq 1
     assert coord.check()["ok"]
 
 

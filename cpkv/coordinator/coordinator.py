@@ -432,7 +432,11 @@ class Coordinator:
             step = StepRequest(self._step_count, group, tuple(seqs), mode, probe, sample)
             shared = step
             if not self._channel.compiled and _worth_sharing(step, self.config.cp_size):
-                shared = self._share(step)
+                try:
+                    shared = self._share(step)
+                except Exception as e:  # decided, never sent (the object store is full, say)
+                    self._dispatch(op, client_id)  # the moves go out as this caller's
+                    raise self._unsent(step, e) from e
             # NOTE: each lane's page moves ride in its step call, applied before the step runs
             # (measured on the 2-core machine: a move's own lane call cost a 16-token prefill
             # ~0.55 ms); numbered only once nothing can fail before the calls queue.
@@ -692,6 +696,17 @@ class Coordinator:
         with self._lock:
             self._channel.flush()
             return self._channel.fence()
+
+    def _unsent(self, step: StepRequest, error: BaseException) -> StepFailedError:
+        """A decided step that could not be sent: its requests are failed as far as their
+        K/V was written before it (lock held); the error to answer."""
+        detail = f"step {step.step_id} could not be sent: {type(error).__name__}: {error}"
+        logger.warning("%s; its requests are marked failed", detail)
+        for s in step.sequences:
+            track = self._tracks.get(s.rid)
+            self._failed[s.rid] = (detail, s.prefix_len if track is None else track.written)
+        rids = [user_rid(s.rid) for s in step.sequences]
+        return StepFailedError(rids[0] if len(rids) == 1 else tuple(rids), detail)
 
     def _share(self, obj: Any) -> Any:
         share = getattr(self._transport, "share", None)
