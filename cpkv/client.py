@@ -34,7 +34,7 @@ from cpkv.core.allocator import ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
 from cpkv.core.layout import PageLayout
 from cpkv.core.page_hash import PageHasher, TokenDigest
-from cpkv.core.steps import LaneReply, StepResult, check_mode
+from cpkv.core.steps import LaneReply, StepResult, check_mode, superseded
 from cpkv.core.validate import (
     as_token_array,
     check_float,
@@ -1196,10 +1196,7 @@ def _later_fence(old: list, new: list) -> list:
         if ga == gb:
             out.append((ga, max(sa, sb)))
             continue
-        ea, _, na = (ga or "").rpartition(":")
-        eb, _, nb = (gb or "").rpartition(":")
-        keep_old = ea == eb and na.isdigit() and nb.isdigit() and int(na) > int(nb)
-        out.append(a if keep_old else b)
+        out.append(a if ga is not None and superseded(gb or "", ga) else b)
     return out
 
 

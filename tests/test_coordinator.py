@@ -124,6 +124,50 @@ class BlockingResetTransport(LocalLaneTransport):
         return future
 
 
+class LateResetTransport(LocalLaneTransport):
+    """The first reset of ``lane`` lands only after a later reset of it (a recovery's call
+    overtaken by a pool reset's)."""
+
+    def __init__(self, *args, lane: int) -> None:
+        super().__init__(*args)
+        self.late_lane = lane
+        self.armed = False
+        self._held: tuple | None = None
+
+    def submit(self, lane, method, *args):
+        if not (self.armed and lane == self.late_lane and method == "reset"):
+            return super().submit(lane, method, *args)
+        if self._held is None:
+            self._held = (Future(), args)
+            return self._held[0]
+        out = super().submit(lane, method, *args)
+        self.armed = False
+        late, late_args = self._held
+
+        def land():  # after the later reset was applied
+            inner = super(LateResetTransport, self).submit(lane, method, *late_args)
+            try:
+                late.set_result(inner.result())
+            except Exception as e:
+                late.set_exception(e)
+
+        threading.Thread(target=land, daemon=True).start()
+        return out
+
+
+def test_a_recoverys_reset_overtaken_by_a_pool_reset_leaves_the_lane_in_the_new_generation():
+    transport = LateResetTransport(4, 32, 4, KV, lane=2)
+    coord, _ = make(transport)
+    transport.armed = True
+    transport.restart(2)  # a new incarnation: the heartbeat starts its recovery
+    coord.heartbeat_once()
+    coord.reset()  # a new generation for every lane, while lane 2's first reset is held
+    assert coord.wait_recovered(5)
+    assert transport.shards[2].generation == coord._channel.generation(2)
+    call(coord, "allocate_extend", "r", np.arange(64))
+    assert_lanes_agree(coord)
+
+
 class FailingResetTransport(LocalLaneTransport):
     """Resets of ``lane`` fail ``times`` times with ``error`` (then run), once armed."""
 

@@ -186,6 +186,8 @@ class LaneSupervisor:
         deadline = time.monotonic() + self._restart_timeout_s
         deaths = 0
         while True:
+            if self._channel.generation(lane) != gen:
+                return  # lost again or reset meanwhile: a newer recovery owns it
             left = deadline - time.monotonic()
             try:
                 incarnation = self._channel.call(

@@ -18,6 +18,7 @@ import torch
 from cpkv.core.config import KVShape
 from cpkv.core.moves import MovesNotApplied
 from cpkv.core.reply_cache import ReplyCache
+from cpkv.core.steps import superseded
 from cpkv.errors import InvalidRequestError
 
 __all__ = ["CACHED", "NOT_YET", "LaneShard", "MoveOrderError"]
@@ -182,7 +183,16 @@ class LaneShard:
             raise MovesNotApplied(f"lane {self.lane}: {type(e).__name__}: {e}") from e
 
     def reset(self, generation: str) -> str:
-        """Every page free, moves numbered from 1 in ``generation``; returns the incarnation."""
+        """Every page free, moves numbered from 1 in ``generation``; returns the incarnation.
+
+        Raises:
+            MoveOrderError: ``generation`` is older than the shard's, of the same coordinator
+                (a late reset overtaken by a later one; never taken back to it).
+        """
+        if superseded(generation, self.generation):
+            raise MoveOrderError(
+                f"lane {self.lane}: reset to generation {generation!r} after {self.generation!r}"
+            )
         self._held[:] = False
         self._owner[:] = 0
         self._replies.clear()
