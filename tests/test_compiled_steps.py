@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cpkv.coordinator.channel import LaneChannel, StepAborted
+from cpkv.coordinator.channel import MAX_WAITING_MOVES, LaneChannel, StepAborted
 from cpkv.core.config import KVShape
 from cpkv.core.moves import MovesNotApplied
 from cpkv.core.steps import LaneReply, StepPacket
@@ -91,6 +91,47 @@ def test_a_compiled_step_carries_each_lanes_moves_and_fence(compiled):
     while ch.num_pending:  # every move answered, the riding one by its step's status
         assert ch.poll() == [] and time.monotonic() < deadline
         time.sleep(0.001)
+
+
+def _wait_calls(transport: CompiledTransport, n: int) -> None:
+    deadline = time.monotonic() + 5
+    while len(transport.calls) < n:
+        assert time.monotonic() < deadline, transport.calls
+        time.sleep(0.001)
+
+
+def test_moves_decided_after_a_compiled_step_go_only_once_it_is_answered(compiled):
+    """Sent on their own at once, they could reach a lane before the step (which does not
+    travel behind ordinary calls): a gap in the step's own moves, or the step writing pages
+    freed after it was decided."""
+    ch, transport = compiled
+    ch.send_moves(0, np.array([1], I32), np.empty(0, I32), "prefill")  # rides in the step
+    ch.submit_steps("step 1")
+    ch.send_moves(0, np.empty(0, I32), np.array([1], I32), "free")  # decided after it
+    ch.flush()  # a client's write asks for its moves: held back while the step runs
+    for _ in range(MAX_WAITING_MOVES):  # however many pile up
+        ch.send_moves(1, np.array([2], I32), np.empty(0, I32), "alloc")
+    time.sleep(0.05)
+    assert transport.calls == [] and ch.num_waiting_moves == MAX_WAITING_MOVES + 1
+    ((_, replies),) = transport.packets
+    replies.set_result([LaneReply(({}, None))] * 2)
+    _wait_calls(transport, 2)  # then at once, one call a lane
+    assert [(c[0], c[1]) for c in transport.calls] == [(0, "apply_moves"), (1, "apply_moves")]
+    assert [m[1] for m in transport.calls[0][2][0]] == [2]  # lane 0's seq 2: after the step
+    assert ch.num_waiting_moves == 0
+
+
+def test_moves_held_back_ride_in_the_next_step_instead(compiled):
+    ch, transport = compiled
+    ch.submit_steps("step 1")
+    ch.send_moves(0, np.array([1], I32), np.empty(0, I32), "alloc")
+    ch.flush()
+    ch.submit_steps("step 2")  # written behind step 1: the moves ride in it
+    (_, first), (second, _) = transport.packets
+    assert [m[1] for m in second.moves[0]] == [1]
+    first.set_result([LaneReply(({}, None))] * 2)
+    time.sleep(0.05)
+    assert transport.calls == []  # nothing left to send on its own
 
 
 def test_a_riding_move_the_lane_refused_is_reported_through_its_reply(compiled):

@@ -13,6 +13,12 @@ or until it has waited ``flush_after_s`` (at most half as long again). An alloca
 costs no lane call: the lanes learn of it with the step that uses it, as a model runner
 learns its block table with the batch.
 
+NOTE: a step sent through a compiled graph does not travel behind the lanes' ordinary
+calls, so moves decided after it are not sent on their own until every lane has answered
+it (they ride in the next step, or go once it is answered): sent at once, they could reach
+a lane first, and it would apply them before the step (a gap in the step's own moves, or
+the step writing pages freed and taken by another request after it was decided).
+
 The channel speaks to lanes through a :class:`LaneTransport` (Ray actors in
 :mod:`cpkv.actors.transport`, plain objects in tests), so it runs without Ray.
 """
@@ -123,6 +129,10 @@ class LaneChannel:
         self._waiting: list[list[tuple]] = [[] for _ in range(cp_size)]
         self._waiting_since: float | None = None
         self._sender_asleep = False  # waiting for an item with no timeout (_waiting_lock)
+        # Compiled steps sent and not yet answered by every lane, and whether moves were
+        # held back meanwhile (sent when the count is back at 0; both _waiting_lock).
+        self._steps_in_flight = 0
+        self._held_back = False
         self._waiting_lock = threading.Lock()
         self.num_calls = 0
         self.num_moves = 0
@@ -205,18 +215,37 @@ class LaneChannel:
                     self._sender_asleep = False
                     self._outbox.put(_WAKE)
             if len(waiting) >= MAX_WAITING_MOVES:
-                self._send_waiting(lane)
+                self._send_or_hold(lane)
         self.num_moves += 1
         self.num_moves_by_op[op] = self.num_moves_by_op.get(op, 0) + 1
         return seq
 
     def flush(self) -> None:
-        """Send every lane the moves waiting for it now (one call a lane that has some)."""
+        """Send every lane the moves waiting for it now (one call a lane that has some), or
+        as soon as the compiled steps in flight are answered."""
         with self._waiting_lock:
             for lane in range(self.cp_size):
                 if self._waiting[lane]:
-                    self._send_waiting(lane)
+                    self._send_or_hold(lane)
             self._waiting_since = None
+
+    def _send_or_hold(self, lane: int) -> None:
+        """:meth:`_send_waiting`, unless a compiled step is in flight (lock held)."""
+        if self._steps_in_flight:
+            self._held_back = True
+        else:
+            self._send_waiting(lane)
+
+    def _step_answered(self, _replies: Future | None) -> None:
+        """A compiled step's answers are in: the moves held back meanwhile may go."""
+        with self._waiting_lock:
+            self._steps_in_flight -= 1
+            if self._steps_in_flight or not self._held_back:
+                return
+            self._held_back = False
+            for lane in range(self.cp_size):
+                if self._waiting[lane]:
+                    self._send_waiting(lane)
 
     @property
     def num_waiting_moves(self) -> int:
@@ -287,11 +316,17 @@ class LaneChannel:
                 (self._generations[r], self._next_seq[r] - 1 if b is None else b[0][1] - 1)
                 for r, b in enumerate(batches)
             )
+            self._steps_in_flight += 1
         packet = StepPacket(step, tuple(batches), fences, self._epoch)
-        replies = self._transport.execute_steps(packet)
+        try:
+            replies = self._transport.execute_steps(packet)
+        except BaseException:
+            self._step_answered(None)
+            raise
         self.num_calls += 1
         if any(m is not None for m in moves):
             replies.add_done_callback(_answer_moves(moves))
+        replies.add_done_callback(self._step_answered)
         # NOTE: one future for every lane's answer, not a future and a wrapper a lane:
         # this side of a step 53-82 -> 33-42 us at cp 4 on the 2-core machine
         # (docs/bench-cpu/2026-12-06-step-handles/channel_handles.py).
