@@ -169,7 +169,7 @@ def connect(
     config = CPConfig(
         cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len, owner_split
     )
-    if lease_s is not None and not lease_s > 0:
+    if lease_s is not None and not check_float("lease_s", lease_s) > 0:
         raise InvalidRequestError(f"lease_s={lease_s!r} must be > 0 or None")
     if namespace is not None and not isinstance(namespace, str):
         raise InvalidRequestError(f"namespace={namespace!r} must be a str or None")

@@ -162,6 +162,8 @@ CONNECT = [
     ("bad dtype", dict(dtype="int8"), "int8"),
     ("float cp_size", dict(cp_size=2.5), "2.5"),
     ("negative heads", dict(num_heads=-1), "num_heads=-1"),
+    ("infinite lease", dict(lease_s=float("inf")), "lease_s=inf"),
+    ("zero lease", dict(lease_s=0), "lease_s=0"),
 ]
 
 

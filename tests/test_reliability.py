@@ -402,6 +402,11 @@ def test_lanes_let_a_namespace_write_only_its_pages_and_read_cached_ones():
     with pytest.raises(InvalidRequestError, match="cached"):
         shard.store_kv(np.array([6]), k, v, owner=6)  # cached pages are read-only
     shard.gather_kv(np.array([6]), owner=5)  # and readable
+    for outside in (np.array([2, 16]), np.array([1])):  # past the shard, the reserved page
+        with pytest.raises(InvalidRequestError, match="local slots span"):
+            shard.gather_kv(outside, owner=5)
+        with pytest.raises(InvalidRequestError, match="local slots span"):
+            shard.gather_kv(outside)
     # A fence ahead of the moves applied: not yet (the caller asks again).
     assert shard.store_kv(np.array([2]), k, v, owner=5, fence=("g", 9)) == NOT_YET
     assert shard.store_kv(np.array([2]), k, v, owner=5, fence=("g", 3)) == 1

@@ -1018,11 +1018,11 @@ class Coordinator:
 
     def _heartbeat_loop(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
-            try:
-                self.heartbeat_once()
-                self.expire_leases()
-            except Exception:
-                logger.exception("heartbeat failed")
+            for task in (self.heartbeat_once, self.expire_leases):  # one failing skips not both
+                try:
+                    task()
+                except Exception:
+                    logger.exception("%s failed", task.__name__)
 
 
 def _worth_sharing(step: StepRequest, cp_size: int) -> bool:

@@ -210,6 +210,17 @@ class LaneShard:
             if t.dtype != self.k[0].dtype:
                 raise InvalidRequestError(f"{name} has dtype {t.dtype}, expected {self.k[0].dtype}")
 
+    def _check_slots(self, local_slots: np.ndarray) -> None:
+        """Refuse slots outside the shard's pages (page 0 is the reserved one)."""
+        if local_slots.size:
+            bound = self.num_pages * self.page_size
+            low, high = int(local_slots.min()), int(local_slots.max())
+            if low < self.page_size or high >= bound:
+                raise InvalidRequestError(
+                    f"lane {self.lane}: local slots span [{low}, {high}], valid "
+                    f"[{self.page_size}, {bound})"
+                )
+
     def _check_access(
         self, local_slots: np.ndarray, owner: int | None, fence, write: bool
     ) -> str | None:
@@ -268,14 +279,7 @@ class LaneShard:
 
         slots = torch.from_numpy(np.array(local_slots, dtype=np.int64))
         self._check_kv(layer, k, v, slots)
-        if slots.numel():
-            bound = self.num_pages * self.page_size
-            low, high = int(slots.min()), int(slots.max())
-            if low < self.page_size or high >= bound:
-                raise InvalidRequestError(
-                    f"lane {self.lane}: local slots span [{low}, {high}], valid "
-                    f"[{self.page_size}, {bound})"
-                )
+        self._check_slots(slots.numpy())
         if self._check_access(slots.numpy(), owner, fence, write=True) is NOT_YET:
             return NOT_YET
         dev = self.device
@@ -304,6 +308,7 @@ class LaneShard:
         if not 0 <= layer < self.kv.num_layers:
             raise InvalidRequestError(f"layer={layer} not in [0, {self.kv.num_layers})")
         host = np.array(local_slots, dtype=np.int64)
+        self._check_slots(host)
         if self._check_access(host, owner, fence, write=False) is NOT_YET:
             return NOT_YET
         slots = torch.from_numpy(host).to(self.device)
