@@ -37,6 +37,7 @@ from cpkv.core.page_hash import PageHasher, TokenDigest
 from cpkv.core.steps import LaneReply, StepResult, check_mode, superseded
 from cpkv.core.validate import (
     as_token_array,
+    check_distinct,
     check_float,
     check_int,
     check_rid,
@@ -551,6 +552,7 @@ class CPKVClient:
             checked.append((rid, self._check_tokens(rid, item[1], step=step)))
         if not checked:
             raise InvalidRequestError(f"{what} got an empty batch")
+        check_distinct([rid for rid, _ in checked], what)
         check_salt(cache_salt)
         return checked
 
@@ -560,6 +562,7 @@ class CPKVClient:
         rids = check_rids(rids)
         if not rids:
             raise InvalidRequestError("allocate_decode got no rids")
+        check_distinct(rids, "allocate_decode")
         toks = None if token_ids is None else as_token_array(token_ids)
         if toks is not None and toks.shape[0] != len(rids):
             raise InvalidRequestError(

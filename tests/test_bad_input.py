@@ -66,6 +66,8 @@ LOCAL = [  # rejected on the caller's side, before any actor call
     ("negative committed_len", lambda c: c.free("live", committed_len=-1), "-1"),
     ("float committed_len", lambda c: c.free("live", committed_len=1.5), "1.5"),
     ("empty batch", lambda c: c.allocate_extend_batch([]), "empty"),
+    ("repeated batch rid", lambda c: c.allocate_extend_batch([("x", [1]), ("x", [2])]), "x"),
+    ("repeated decode rid", lambda c: c.allocate_decode(["live", "live"]), "repeated"),
     ("kv wrong dtype", lambda c: c.store_kv([40, 41, 42], K.half(), K.half()), "float16"),
     ("kv wrong shape", lambda c: c.store_kv([40, 41, 42], torch.zeros(3, 2, 4), K), "(3, 2, 4)"),
     ("k/v length vs slots", lambda c: c.store_kv([40, 41], K, K), "(3, 2, 8)"),
@@ -107,7 +109,6 @@ REMOTE = [  # need the coordinator's state: one call, answered with the error
     ("unknown rid free", lambda c: c.free("ghost"), "ghost"),
     ("unknown rid decode", lambda c: c.allocate_decode(["ghost"]), "ghost"),
     ("committed_len too long", lambda c: c.free("live", committed_len=999), "999"),
-    ("repeated batch rid", lambda c: c.allocate_extend_batch([("x", [1]), ("x", [2])]), "x"),
 ]
 
 

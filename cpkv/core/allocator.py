@@ -24,7 +24,14 @@ from cpkv.core.page_hash import PageHasher, TokenDigest
 from cpkv.core.pools import PagePools
 from cpkv.core.prefix_cache import PrefixCache
 from cpkv.core.requests import Chunk, Request, RequestTable
-from cpkv.core.validate import as_token_array, check_int, check_rid, check_rids, check_salt
+from cpkv.core.validate import (
+    as_token_array,
+    check_distinct,
+    check_int,
+    check_rid,
+    check_rids,
+    check_salt,
+)
 from cpkv.errors import InvalidRequestError, KVCapacityWaitError
 
 __all__ = ["CPAllocator", "ExtendAllocation", "slots_from_pages", "split_slots_by_lane"]
@@ -342,8 +349,7 @@ class CPAllocator:
         if len(items) == 1:  # its errors read as allocate_extend's
             return [self.allocate_extend(*items[0], cache_salt=cache_salt)]
         rids = [check_rid(rid) for rid, _ in items]
-        if len(set(rids)) != len(rids):
-            raise InvalidRequestError(f"allocate_extend_batch got repeated rids: {rids}")
+        check_distinct(rids, "allocate_extend_batch")
         tokens = [
             _new_tokens(t, f"token_ids[{rid!r}]") for rid, (_, t) in zip(rids, items, strict=True)
         ]
@@ -372,8 +378,7 @@ class CPAllocator:
         rids = check_rids(rids)
         if not rids:
             raise InvalidRequestError("allocate_decode got no rids")
-        if len(set(rids)) != len(rids):
-            raise InvalidRequestError(f"allocate_decode got repeated rids: {rids}")
+        check_distinct(rids, "allocate_decode")
         if token_ids is not None:
             toks = as_token_array(token_ids)
             if toks.shape[0] != len(rids):

@@ -35,6 +35,12 @@ def check_rids(rids: object, *, what: str = "rids") -> list[str | int]:
     return [check_rid(rid) for rid in rids]
 
 
+def check_distinct(rids: list, what: str) -> None:
+    """Raise InvalidRequestError when a request id repeats in ``rids`` (one call's batch)."""
+    if len(set(rids)) != len(rids):
+        raise InvalidRequestError(f"{what} got repeated rids: {rids}")
+
+
 def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     """Return ``value`` as int, or raise InvalidRequestError naming it."""
     if type(value) is not int:  # the common case skips the ABC check (bool is not int here)
