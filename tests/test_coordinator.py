@@ -98,6 +98,21 @@ def test_a_lost_move_is_detected_and_the_lane_reset():
     assert coord.check()["ok"]
 
 
+def _answer_later(future: Future, submit, wait=None, *wait_args) -> None:
+    """In a thread: ``wait(*wait_args)``, then the lane call ``submit()``, its answer given to
+    ``future``."""
+
+    def later():
+        if wait is not None:
+            wait(*wait_args)
+        try:
+            future.set_result(submit().result())
+        except Exception as e:
+            future.set_exception(e)
+
+    threading.Thread(target=later, daemon=True).start()
+
+
 class BlockingResetTransport(LocalLaneTransport):
     """Lane resets of ``lane`` wait for ``release`` (a slow Ray restart)."""
 
@@ -110,17 +125,9 @@ class BlockingResetTransport(LocalLaneTransport):
     def submit(self, lane, method, *args):
         if not (self.blocking and lane == self.blocked_lane and method == "reset"):
             return super().submit(lane, method, *args)
-        future: Future = Future()
-
-        def later():  # the reply comes once released; submitting never blocks
-            self.release.wait(10)
-            inner = super(BlockingResetTransport, self).submit(lane, method, *args)
-            try:
-                future.set_result(inner.result())
-            except Exception as e:
-                future.set_exception(e)
-
-        threading.Thread(target=later, daemon=True).start()
+        future: Future = Future()  # answered once released; submitting never blocks
+        call = LocalLaneTransport.submit
+        _answer_later(future, lambda: call(self, lane, method, *args), self.release.wait, 10)
         return future
 
 
@@ -142,16 +149,8 @@ class LateResetTransport(LocalLaneTransport):
             return self._held[0]
         out = super().submit(lane, method, *args)
         self.armed = False
-        late, late_args = self._held
-
-        def land():  # after the later reset was applied
-            inner = super(LateResetTransport, self).submit(lane, method, *late_args)
-            try:
-                late.set_result(inner.result())
-            except Exception as e:
-                late.set_exception(e)
-
-        threading.Thread(target=land, daemon=True).start()
+        late, late_args = self._held  # lands after the later reset was applied
+        _answer_later(late, lambda: LocalLaneTransport.submit(self, lane, method, *late_args))
         return out
 
 
