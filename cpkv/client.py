@@ -170,8 +170,7 @@ def connect(
     config = CPConfig(
         cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len, owner_split
     )
-    if lease_s is not None and not check_float("lease_s", lease_s) > 0:
-        raise InvalidRequestError(f"lease_s={lease_s!r} must be > 0 or None")
+    _check_lease(lease_s)
     if namespace is not None and not isinstance(namespace, str):
         raise InvalidRequestError(f"namespace={namespace!r} must be a str or None")
     timeout_s = check_float("timeout_s", timeout_s)
@@ -301,7 +300,7 @@ class CPKVClient:
         self.timeout_s = timeout_s
         self._calls = itertools.count()
         self.client_id = uuid.uuid4().hex[:16]
-        self.lease_s = lease_s
+        self.lease_s = _check_lease(lease_s)
         self._rids: set[Hashable] = set()
         self._lost: list = []
         self.namespace = namespace
@@ -820,10 +819,14 @@ class CPKVClient:
         rid, tokens = self._extend_args(rid, token_ids, cache_salt, step=probe is None)
         mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
-        out, call_id = self._step(
-            "prefill", rid, tokens, cache_salt, mode, probe, greedy,
-            call_id=call_id, deadline_s=deadline_s,
-        )  # fmt: skip
+        try:
+            out, call_id = self._step(
+                "prefill", rid, tokens, cache_salt, mode, probe, greedy,
+                call_id=call_id, deadline_s=deadline_s,
+            )  # fmt: skip
+        except StepFailedError:  # the request lives on, failed, until freed
+            self._rids.add(rid)
+            raise
         self._rids.add(rid)
         self._held.pop(rid, None)  # stepped: the next allocation sends token ids
         return self._step_results(out, "prefill", [rid], call_id)[0]
@@ -844,9 +847,13 @@ class CPKVClient:
         checked = self._batch_args(items, cache_salt, "prefill_batch", step=probe is None)
         mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
-        out, call_id = self._step(
-            "prefill_batch", checked, cache_salt, mode, probe, greedy, call_id=call_id
-        )
+        try:
+            out, call_id = self._step(
+                "prefill_batch", checked, cache_salt, mode, probe, greedy, call_id=call_id
+            )
+        except StepFailedError:  # the requests live on, failed, until freed
+            self._rids.update(rid for rid, _ in checked)
+            raise
         self._rids.update(rid for rid, _ in checked)
         for rid, _ in checked:
             self._held.pop(rid, None)
@@ -963,17 +970,19 @@ class CPKVClient:
             got it: a capacity wait took no effect, so each retry is a new call (the
             coordinator answers a repeated call id with its first answer, the wait).
         """
-        attempt = [call_id]
+        ids: list[Hashable | None] = [call_id]
 
         def once():
+            if ids[-1] is None:  # numbered when sent, not before the backoff's sleep
+                ids[-1] = self._call_id()
             try:
-                return self._run(self._step_call(method, *args, call_id=attempt[0]))
+                return self._run(self._step_call(method, *args, call_id=ids[-1]))
             except KVCapacityWaitError:
-                attempt[0] = self._call_id()
+                ids.append(None)
                 raise
 
         out = once() if deadline_s is None else _with_backoff(once, deadline_s=deadline_s)
-        return out, attempt[0]
+        return out, ids[-1]
 
     def _step_call(self, method: str, *args, call_id: Hashable) -> _Call:
         """A step through the client's step graph when it takes it, else (or for the retries
@@ -1215,6 +1224,12 @@ def _weakly(method: Callable[..., _T]) -> Callable[..., _T]:
     being renewed: see :class:`_LeaseKeeper`)."""
     ref = weakref.WeakMethod(method)
     return lambda *args: ref()(*args)
+
+
+def _check_lease(lease_s: object) -> float | None:
+    if lease_s is not None and not check_float("lease_s", lease_s) > 0:
+        raise InvalidRequestError(f"lease_s={lease_s!r} must be > 0 or None")
+    return lease_s
 
 
 def _check_greedy(greedy: object, probe: object) -> None:

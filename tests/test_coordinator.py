@@ -157,11 +157,14 @@ class LateResetTransport(LocalLaneTransport):
 def test_a_recoverys_reset_overtaken_by_a_pool_reset_leaves_the_lane_in_the_new_generation():
     transport = LateResetTransport(4, 32, 4, KV, lane=2)
     coord, _ = make(transport)
+    resets = transport.calls.count((2, "reset"))
     transport.armed = True
     transport.restart(2)  # a new incarnation: the heartbeat starts its recovery
     coord.heartbeat_once()
     coord.reset()  # a new generation for every lane, while lane 2's first reset is held
     assert coord.wait_recovered(5)
+    # The overtaken recovery stopped at its refused reset (no retries until its deadline).
+    assert transport.calls.count((2, "reset")) == resets + 2
     assert transport.shards[2].generation == coord._channel.generation(2)
     call(coord, "allocate_extend", "r", np.arange(64))
     assert_lanes_agree(coord)

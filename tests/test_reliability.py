@@ -15,7 +15,7 @@ from cpkv import CPConfig, KVShape
 from cpkv.coordinator import coordinator as coordinator_module
 from cpkv.coordinator.channel import LaneDeadError
 from cpkv.coordinator.coordinator import Coordinator
-from cpkv.core.reply_cache import DROPPED, ReplyCache
+from cpkv.core.reply_cache import DROPPED, ReplyCache, _Runs
 from cpkv.core.steps import StepResult
 from cpkv.errors import (
     InvalidRequestError,
@@ -253,6 +253,9 @@ def test_misuse_that_skips_the_client_is_answered_as_an_invalid_request():
         coord.prefill(coord.epoch, "a", None, "n", [1, 2**64]),
         coord.allocate_extend(coord.epoch, "a", None, "n", [1, "x"]),
         coord.decode(coord.epoch, "a", None, ["r"], None),  # a step with no token ids
+        coord.allocate_extend(coord.epoch, "a", None, "n", np.array([1, 2**64], dtype=object)),
+        coord.prefill(coord.epoch, "a", None, "n", np.array(["1", "x"])),
+        coord.free(coord.epoch, "a", None, "r", "no"),
     ]
     for out in bad:
         assert isinstance(out, InvalidRequestError), out
@@ -303,8 +306,26 @@ def test_past_the_count_bound_a_numbered_key_is_known_forgotten_and_a_new_one_is
     assert cache.is_forgotten(("a", 1)) and cache.is_forgotten(("a", 2))
     assert not cache.is_forgotten(("a", 3)) and not cache.is_forgotten(("a", 4))
     assert not cache.is_forgotten(("b", 1)) and not cache.is_forgotten("other")
+    # A number that comes late (a client's other thread), after later ones were forgotten,
+    # was never answered: it is new.
+    cache.put(("a", 7), 7)
+    for n in (8, 9):
+        cache.put(("a", n), n)
+    assert cache.is_forgotten(("a", 7)) and cache.is_forgotten(("a", 3))
+    assert not cache.is_forgotten(("a", 5))
     cache.forget_stream("a")
     assert not cache.is_forgotten(("a", 1))
+
+
+def test_forgotten_numbers_are_kept_as_runs_whatever_their_order():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        runs, seen = _Runs(), set()
+        for n in rng.permutation(40)[: rng.integers(0, 40)]:
+            runs.add(int(n))
+            seen.add(int(n))
+        assert [n for n in range(-1, 42) if n in runs] == sorted(seen)
+        assert len(runs) == sum(1 for n in seen if n - 1 not in seen)  # one run a gap
 
 
 def test_a_clients_retry_older_than_the_remembered_calls_is_refused_not_run_again(monkeypatch):
@@ -317,7 +338,7 @@ def test_a_clients_retry_older_than_the_remembered_calls_is_refused_not_run_agai
         ok(coord.free(coord.epoch, "a", ("a", n + 1), "x", False))
         coord.free(coord.epoch, "b", ("b", n), "ghost", False)  # answered (an error)
     late = coord.allocate_extend(coord.epoch, "a", first, "r", np.arange(1, 11))
-    assert isinstance(late, InvalidRequestError) and "older than" in str(late)
+    assert isinstance(late, InvalidRequestError) and "no longer kept" in str(late)
     assert coord._core.request_len(coord._key("a", "r")) == 10  # not extended twice
     # Its retry with token ids (after a stale digest) is numbered alike.
     tokens_id = ("tokens", ("a", 1))

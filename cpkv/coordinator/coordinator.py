@@ -289,6 +289,8 @@ class Coordinator:
         """
 
         def run():
+            if not isinstance(cache, (bool, np.bool_)):
+                raise InvalidRequestError(f"cache={cache!r} must be True or False")
             key = self._key(client_id, rid)
             written = self._written_len(key)
             committed = committed_len
@@ -917,9 +919,9 @@ class Coordinator:
                 return self._repeat(key, op, digest, call_id)
             if key is not None and self._replies.is_forgotten(key):
                 return InvalidRequestError(
-                    f"call_id={call_id!r} is older than the {self._replies.capacity} calls "
-                    "the coordinator remembers: it was answered long ago, so it is not run "
-                    "again (a retry must come sooner; check the request's state instead)"
+                    f"call_id={call_id!r} was answered before the last "
+                    f"{self._replies.capacity} calls and its answer is no longer kept: it is "
+                    "not run again (a retry must come sooner; check the request's state)"
                 )
             lapsed = self._lapse_notice(client_id)
             if lapsed is not None:
@@ -1078,7 +1080,10 @@ def _digest(*parts: Any, crc: int = 0) -> int:
             crc = _digest(part.num_tokens, part.offset, part.head, part.tail, crc=crc)
             crc = zlib.crc32(part.contents.data, crc)
         elif isinstance(part, np.ndarray):
-            crc = zlib.crc32(np.ascontiguousarray(part).astype(np.int64, copy=False).data, crc)
+            try:
+                crc = zlib.crc32(np.ascontiguousarray(part).astype(np.int64, copy=False).data, crc)
+            except (OverflowError, TypeError, ValueError):  # not ids: the call refuses them
+                crc = zlib.crc32(repr(part).encode(), crc)
         elif isinstance(part, (list, tuple)) and part and isinstance(part[0], (int, np.integer)):
             try:
                 crc = zlib.crc32(np.asarray(part, dtype=np.int64).data, crc)

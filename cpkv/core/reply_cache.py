@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 __all__ = ["DROPPED", "ReplyCache"]
 
 _MISSING = object()
+# Numbered streams whose forgotten numbers are kept (the least recently forgotten go first).
+_MAX_STREAMS = 4096
 
 
 class _Dropped:
@@ -37,14 +40,15 @@ class ReplyCache:
         max_bytes: bytes of replies kept (each reply's size as given to :meth:`put`);
             ``None`` for no bound. Past it the oldest replies are replaced by :data:`DROPPED`
             (their keys stay, so a repeat is still recognised, never run twice).
-        numbered: ``key -> (stream, number)`` for keys a caller numbers in increasing order
-            (``None`` for other keys). Past ``capacity`` the oldest keys are forgotten; of a
-            numbered stream the highest number forgotten is kept, so :meth:`is_forgotten`
-            still knows a late repeat of any key at or below it.
+        numbered: ``key -> (stream, number)`` for keys a caller numbers (``None`` for other
+            keys). Past ``capacity`` the oldest keys are forgotten; of a numbered stream the
+            numbers forgotten are kept (as runs: a caller's numbers come nearly in order), so
+            :meth:`is_forgotten` still knows a late repeat, and a number never seen is new
+            whenever it comes (for the last :data:`_MAX_STREAMS` streams that forgot one).
     """
 
     __slots__ = (
-        "_forgotten_upto",
+        "_forgotten",
         "_numbered",
         "_replies",
         "_sized",
@@ -69,7 +73,7 @@ class ReplyCache:
         # them without walking the dropped ones (a walk cost ~150 us a put with 1024 kept).
         self._sized: OrderedDict[Hashable, None] = OrderedDict()
         self._numbered = numbered
-        self._forgotten_upto: dict[Hashable, int] = {}
+        self._forgotten: OrderedDict[Hashable, _Runs] = OrderedDict()
         self.nbytes = 0
         self.num_hits = 0
 
@@ -96,13 +100,12 @@ class ReplyCache:
         return key in self._replies
 
     def is_forgotten(self, key: Hashable) -> bool:
-        """Whether ``key`` is not kept but numbered at or below a key of its stream that the
-        count bound forgot: an old key (a late repeat), never a new one."""
+        """Whether ``key`` had a reply that the count bound forgot (a late repeat)."""
         numbered = self._numbered(key) if self._numbered is not None else None
         if numbered is None or key in self._replies:
             return False
-        upto = self._forgotten_upto.get(numbered[0])
-        return upto is not None and numbered[1] <= upto
+        runs = self._forgotten.get(numbered[0])
+        return runs is not None and numbered[1] in runs
 
     def put(self, key: Hashable, reply: Any, *, tag: Any = None, nbytes: int = 0) -> Any:
         """Remember ``reply`` (of ``nbytes``) for ``key`` with ``tag``; returns it."""
@@ -131,20 +134,64 @@ class ReplyCache:
 
     def forget_stream(self, stream: Hashable) -> None:
         """Forget what the count bound forgot of ``stream`` (no repeat of it can come)."""
-        self._forgotten_upto.pop(stream, None)
+        self._forgotten.pop(stream, None)
 
     def _forget_numbered(self, key: Hashable) -> None:
         numbered = self._numbered(key)
-        if numbered is not None:
-            stream, number = numbered
-            if number > self._forgotten_upto.get(stream, number - 1):
-                self._forgotten_upto[stream] = number
+        if numbered is None:
+            return
+        stream, number = numbered
+        runs = self._forgotten.pop(stream, None) or _Runs()
+        runs.add(number)
+        self._forgotten[stream] = runs  # the most recently forgotten stream last
+        if len(self._forgotten) > _MAX_STREAMS:
+            self._forgotten.popitem(last=False)
 
     def clear(self) -> None:
         self._replies.clear()
         self._sized.clear()
-        self._forgotten_upto.clear()
+        self._forgotten.clear()
         self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._replies)
+
+
+class _Runs:
+    """A set of integers kept as sorted disjoint runs ``[first, last]``; adding the next
+    number of the last run (the common case) is O(1)."""
+
+    __slots__ = ("_firsts", "_lasts")
+
+    def __init__(self) -> None:
+        self._firsts: list[int] = []
+        self._lasts: list[int] = []
+
+    def __contains__(self, n: int) -> bool:
+        i = bisect.bisect_right(self._firsts, n) - 1
+        return i >= 0 and n <= self._lasts[i]
+
+    def add(self, n: int) -> None:
+        firsts, lasts = self._firsts, self._lasts
+        if firsts and lasts[-1] + 1 == n:
+            lasts[-1] = n
+            return
+        i = bisect.bisect_right(firsts, n) - 1  # the run starting at or before n
+        if i >= 0 and n <= lasts[i]:
+            return
+        joins_left = i >= 0 and lasts[i] + 1 == n
+        joins_right = i + 1 < len(firsts) and firsts[i + 1] == n + 1
+        if joins_left and joins_right:
+            lasts[i] = lasts.pop(i + 1)
+            del firsts[i + 1]
+        elif joins_left:
+            lasts[i] = n
+        elif joins_right:
+            firsts[i + 1] = n
+        else:
+            firsts.insert(i + 1, n)
+            lasts.insert(i + 1, n)
+
+    def __len__(self) -> int:
+        """Runs held."""
+        return len(self._firsts)
