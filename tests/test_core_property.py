@@ -1437,7 +1437,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.dead_lanes: set[int] = set()
         self.killed: set[int] = set()
         self.leases: dict[str, Lease] = {}
-        self.owner: dict[Hashable, str] = {}
+        self.holders: dict[Hashable, set[str]] = {}  # the leased clients that extended it
         self.lapsed: dict[str, tuple[float, list[Hashable]]] = {}
         self.leases_expired = 0
         self.leases_lapsed = 0
@@ -1556,15 +1556,28 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert answer.rids == rids
 
     def _hold(self, client: str | None, rid: Hashable) -> None:
-        if client is None or client not in self.leases or rid in self.owner:
+        if client is None or client not in self.leases:
             return
-        self.owner[rid] = client
+        self.holders.setdefault(rid, set()).add(client)
         self.leases[client].rids.add(rid)
 
     def _release(self, rid: Hashable) -> None:
-        client = self.owner.pop(rid, None)
-        if client is not None:
+        for client in self.holders.pop(rid, ()):
             self.leases[client].rids.discard(rid)
+
+    def _end_lease(self, client: str) -> list[Hashable]:
+        """``client``'s lease is gone: the requests no other lease holds, freed."""
+        lease = self.leases.pop(client)
+        freed = []
+        for rid in sorted(lease.rids, key=repr):
+            self.holders[rid].discard(client)
+            if not self.holders[rid]:
+                del self.holders[rid]
+                self._drop(rid)
+                freed.append(rid)
+            else:
+                event("a lapse leaves a request another lease holds")
+        return freed
 
     def _cached_bound(self, salt: object, toks: list[int], limit: int) -> int:
         """Most leading pages of ``toks`` the cache can hold under ``salt``."""
@@ -1872,14 +1885,11 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.now += dt
         freed = 0
         for client in [c for c, lease in self.leases.items() if lease.expires_at <= self.now]:
-            lease = self.leases.pop(client)
-            rids = sorted(lease.rids, key=repr)
-            for rid in rids:
-                self.owner.pop(rid)
-                self._drop(rid)
+            lease_s = self.leases[client].lease_s
+            rids = self._end_lease(client)
             # A lapse not yet told (no call since) is told with this one: both lists.
             told_later = self.lapsed.pop(client, (0.0, []))[1]
-            self.lapsed[client] = (lease.lease_s, told_later + rids)
+            self.lapsed[client] = (lease_s, told_later + rids)
             self.leases_lapsed += 1
             freed += len(rids)
         self.leases_expired += freed
@@ -1888,11 +1898,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             event("lease expiry freed requests")
 
     def close_lease(self, client: str) -> None:
-        lease = self.leases.pop(client, None)
-        rids = [] if lease is None else sorted(lease.rids, key=repr)
-        for rid in rids:
-            self.owner.pop(rid)
-            self._drop(rid)
+        rids = self._end_lease(client) if client in self.leases else []
         assert self.coord.close_lease(client) == len(rids)
 
     # ------------------------------------------------------------ lanes, pool
@@ -1977,7 +1983,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.lost.clear()
         self.losses.clear()
         self.dead_lanes.clear()
-        self.owner.clear()
+        self.holders.clear()
         for lease in self.leases.values():
             lease.rids.clear()
         self.requests_lost = 0
@@ -2142,7 +2148,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 lease.rids,
             )
         for rid in C_RIDS:
-            assert table.owner(RequestKey(SHARED, rid)) == self.owner.get(rid), rid
+            assert table.holders(RequestKey(SHARED, rid)) == self.holders.get(rid, set()), rid
 
 
 _SETTINGS = settings(

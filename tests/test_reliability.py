@@ -463,6 +463,31 @@ def test_a_lapse_is_told_to_the_client_even_after_its_renewer_said_hello():
     assert info.value.rids == ["r"]
 
 
+def test_a_shared_request_lives_until_the_last_client_that_extended_it_lapses():
+    """A driver creates a request and its actor continues it (one namespace): the driver's
+    lapse must not free it under the actor, whose next chunk would silently start a new
+    request at position 0; it goes when the actor lapses too."""
+    clock = Clock()
+    coord, _ = make(clock)
+    coord.hello("driver", 1.0, namespace="job")
+    coord.hello("actor", 1.0, namespace="job")
+    prefill(coord, "driver", "x", np.arange(1, 17))
+    prefill(coord, "actor", "x", np.arange(17, 33))
+    clock.now += 0.9
+    coord.renew_lease("actor")  # the driver has died
+    clock.now += 0.5
+    assert coord.expire_leases() == 0
+    chunk = prefill(coord, "actor", "x", np.arange(33, 41))["allocations"][0]
+    assert (chunk.prefix_len, chunk.extend_len) == (32, 8)
+    with pytest.raises(LeaseExpiredError) as info:  # told, with nothing freed
+        prefill(coord, "driver", "y", [1])
+    assert info.value.rids == []
+    clock.now += 2.0
+    assert coord.expire_leases() == 1  # the actor's lapse frees it
+    assert coord.stats()["num_requests"] == 0
+    assert coord.check()["ok"]
+
+
 def test_a_quiet_lease_of_a_live_process_is_kept_and_of_a_stopped_one_lapses():
     clock = Clock()
     alive = {"busy": True, "stopped": False}

@@ -33,13 +33,18 @@ class _Lease:
 
 
 class LeaseTable:
-    """Leases by client id, each holding the request ids (keys) that client created."""
+    """Leases by client id, each holding the request ids (keys) that client extended.
+
+    A request is held by the lease of every client that created or extended it (clients
+    of one namespace share requests: a driver and its actors) and freed when the last of
+    them lapses or closes; a request no leased client extended is held by none.
+    """
 
     __slots__ = (
+        "_holders",
         "_lapsed",
         "_leases",
         "_lock",
-        "_owner",
         "num_expired_leases",
         "num_expired_requests",
         "num_kept_alive",
@@ -48,7 +53,7 @@ class LeaseTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
-        self._owner: dict[Hashable, str] = {}
+        self._holders: dict[Hashable, set[str]] = {}
         # client id -> (lease_s, holder, requests freed) of leases that lapsed unseen.
         self._lapsed: OrderedDict[str, tuple[float, dict | None, list[Hashable]]] = OrderedDict()
         self.num_expired_leases = 0
@@ -84,22 +89,24 @@ class LeaseTable:
         return client_id in self._leases
 
     def hold(self, client_id: str | None, rid: Hashable) -> None:
-        """Record that ``client_id`` created ``rid`` (a request held by no lease when None)."""
+        """Record that ``client_id`` created or extended ``rid`` (no hold when it has no
+        lease)."""
         with self._lock:
-            if client_id is None or client_id not in self._leases or rid in self._owner:
+            lease = self._leases.get(client_id) if client_id is not None else None
+            if lease is None:
                 return
-            self._owner[rid] = client_id
-            self._leases[client_id].rids.add(rid)
+            self._holders.setdefault(rid, set()).add(client_id)
+            lease.rids.add(rid)
 
     def release(self, rid: Hashable) -> None:
         """``rid`` was freed or lost: no lease holds it any more."""
         with self._lock:
-            owner = self._owner.pop(rid, None)
-            if owner is not None:
-                self._leases[owner].rids.discard(rid)
+            for client_id in self._holders.pop(rid, ()):
+                self._leases[client_id].rids.discard(rid)
 
     def close(self, client_id: str) -> list[Hashable]:
-        """End ``client_id``'s lease; return the requests it still held (the caller frees them)."""
+        """End ``client_id``'s lease; return the requests no other lease holds (the caller
+        frees them)."""
         with self._lock:
             return self._close(client_id)
 
@@ -107,9 +114,14 @@ class LeaseTable:
         lease = self._leases.pop(client_id, None)
         if lease is None:
             return []
+        freed = []
         for rid in lease.rids:
-            del self._owner[rid]
-        return sorted(lease.rids, key=repr)
+            holders = self._holders[rid]
+            holders.discard(client_id)
+            if not holders:
+                del self._holders[rid]
+                freed.append(rid)
+        return sorted(freed, key=repr)
 
     def due(self, now: float) -> dict[str, dict | None]:
         """Leases past their expiry: ``{client_id: holder}`` (nothing changes)."""
@@ -169,10 +181,12 @@ class LeaseTable:
         with self._lock:
             for lease in self._leases.values():
                 lease.rids.clear()
-            self._owner.clear()
+            self._holders.clear()
 
-    def owner(self, rid: Hashable) -> str | None:
-        return self._owner.get(rid)
+    def holders(self, rid: Hashable) -> frozenset[str]:
+        """The clients whose leases hold ``rid``."""
+        with self._lock:
+            return frozenset(self._holders.get(rid, ()))
 
     def lease_s(self, client_id: str) -> float | None:
         lease = self._leases.get(client_id)
