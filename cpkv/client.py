@@ -167,6 +167,8 @@ def connect(
         TimeoutError: the lanes could not be placed in time.
     """
     check_mode(attention_mode, "attention_mode")
+    heartbeat_s = check_float("heartbeat_s", heartbeat_s)
+    start_timeout_s = check_float("start_timeout_s", start_timeout_s)
     config = CPConfig(
         cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len, owner_split
     )
@@ -197,27 +199,43 @@ def connect(
         num_layers, num_heads, head_dim, dtype = spec.kv_shape
     kv = KVShape(num_layers, num_heads, head_dim, dtype)
     pool = Pool.open(address, name, config, kv, options, spec)
-    if not pool.created:
-        if gpu_memory_utilization is not None:  # sized by its creator: compare the rest
-            config = replace(config, num_pages_per_lane=pool.config.num_pages_per_lane)
-        if pool.config != config:
-            if pool.owns_ray:
-                import ray
+    try:
+        if not pool.created:
+            if gpu_memory_utilization is not None:  # sized by its creator: compare the rest
+                config = replace(config, num_pages_per_lane=pool.config.num_pages_per_lane)
+            _check_attached(pool, name, config, kv, spec)
+        return CPKVClient(
+            pool.coordinator,
+            timeout_s=timeout_s,
+            pool=pool,
+            lease_s=lease_s,
+            namespace=namespace,
+            call_retries=call_retries,
+            attention_mode=attention_mode,
+            step_graph=step_graph,
+        )
+    except BaseException:  # nothing this call started stays behind
+        if pool.created:
+            pool.stop()
+        pool.release_ray()
+        raise
 
-                ray.shutdown()
-            raise InvalidRequestError(
-                f"coordinator {name!r} exists with {pool.config}, asked for {config}"
-            )
-    return CPKVClient(
-        pool.coordinator,
-        timeout_s=timeout_s,
-        pool=pool,
-        lease_s=lease_s,
-        namespace=namespace,
-        call_retries=call_retries,
-        attention_mode=attention_mode,
-        step_graph=step_graph,
-    )
+
+def _check_attached(pool: Pool, name: str, config: CPConfig, kv: KVShape, spec) -> None:
+    """An existing pool must be the one asked for: its shape, and its model's K/V and
+    vocabulary when a model is named (a client naming none takes the pool's)."""
+    if pool.config != config:
+        raise InvalidRequestError(
+            f"coordinator {name!r} exists with {pool.config}, asked for {config}"
+        )
+    vocab = None if spec is None else spec.config.vocab_size
+    if spec is None and pool.vocab_size is not None:
+        return
+    if (pool.kv, pool.vocab_size) != (kv, vocab):
+        raise InvalidRequestError(
+            f"coordinator {name!r} exists with {pool.kv} and vocab_size={pool.vocab_size}, "
+            f"asked for {kv} and vocab_size={vocab}"
+        )
 
 
 class _LeaseKeeper:
@@ -351,6 +369,12 @@ class CPKVClient:
         self._graph: StepGraph | None = None
         if step_graph and hello.get("step_graph"):
             self._graph = StepGraph(coordinator, self.client_id, build_timeout_s=timeout_s)
+        self._closed = False
+        # A creator dropped without shutdown(): Ray's reference counts end its actors, this
+        # removes their placement group and checkpoint too (not at exit: the job's end
+        # removes them then, and a detached pool outlives it).
+        self._drop_guard = weakref.finalize(self, _drop_pool, pool)
+        self._drop_guard.atexit = False
 
     @property
     def owns_pool(self) -> bool:
@@ -1138,6 +1162,10 @@ class CPKVClient:
             self._lease.stop()
         if self._graph is not None:  # before the pool or our lease goes: see StepGraph
             self._graph.close(timeout_s=self.timeout_s)
+        if self._closed:
+            return
+        self._closed = True
+        self._drop_guard.detach()
         if self.owns_pool:
             self.stop_pool()
         elif self.lease_s is not None:
@@ -1145,8 +1173,7 @@ class CPKVClient:
                 self._ray.get(self._coord.close_lease.remote(self.client_id), timeout=5)
         self._rids.clear()
         self._held.clear()
-        if self._pool.owns_ray:
-            self._ray.shutdown()
+        self._pool.release_ray()  # the last of this process's pools stops the local Ray
 
     def stop_pool(self) -> None:
         """Stop the coordinator and its lanes for every client (whoever created them)."""
@@ -1224,6 +1251,17 @@ def _weakly(method: Callable[..., _T]) -> Callable[..., _T]:
     being renewed: see :class:`_LeaseKeeper`)."""
     ref = weakref.WeakMethod(method)
     return lambda *args: ref()(*args)
+
+
+def _drop_pool(pool: Pool) -> None:
+    """What a dropped client leaves: the pool it created stopped (unless detached), its
+    share of the local Ray given back."""
+    try:
+        if pool.created and not pool.detached:
+            pool.stop()
+        pool.release_ray()
+    except Exception:  # a finalizer never raises
+        logger.debug("dropping a client's pool failed", exc_info=True)
 
 
 def _check_lease(lease_s: object) -> float | None:

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import (
-    get_placement_group,
+    PlacementGroup,
     placement_group,
     placement_group_table,
     remove_placement_group,
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cpkv.actors.ray_env import NAMESPACE, ensure_ray
+from cpkv.actors.ray_env import NAMESPACE, embedded_ray_released, ensure_ray, take_embedded_ray
 from cpkv.core.config import CPConfig, KVShape
 from cpkv.errors import CoordinatorUnavailableError, InvalidRequestError, RequestTimeoutError
 
@@ -90,9 +90,14 @@ class Pool:
         group_name: the lanes' placement group (``None``: looked up by the lanes' names
             when the pool is stopped, for a pool this process did not create).
         created: this process created the pool (its creator stops it).
-        owns_ray: opening the pool started this process's Ray (stopped with the pool's client).
+        owns_ray: the pool holds a share of the local Ray this process started (the last
+            pool to let go, :meth:`release_ray`, stops it).
         model: the model spec of a pool created here (a checkpoint written for it is
             removed with it).
+        kv: the lanes' K/V tensors, as the coordinator runs them.
+        vocab_size: the pool's model's vocabulary (``None``: no model).
+        detached: a pool created here whose actors outlive this driver.
+        stopped: :meth:`stop` ran (a second call does nothing).
     """
 
     name: str | None
@@ -104,6 +109,10 @@ class Pool:
     created: bool = False
     owns_ray: bool = False
     model: object = None
+    kv: KVShape | None = None
+    vocab_size: int | None = None
+    detached: bool = False
+    stopped: bool = False
 
     @classmethod
     def open(
@@ -134,17 +143,30 @@ class Pool:
             InvalidRequestError: a bad strategy or resource amount, or memory for too few pages.
             TimeoutError: the lanes could not be placed or started in time.
         """
-        started = ensure_ray(address, num_lanes=config.cp_size)
-        # NOTE: a client that attached to a cluster leaves it connected; only an embedded
-        # Ray started here is stopped with the pool's client.
-        owns_ray = started and address is None
-        pool = cls.attach(name, options.timeout_s)
-        if pool is None:
-            pool = cls._create(name, config, kv, options, model)
-        elif model is not None:
-            model.remove()  # a checkpoint written for a pool that exists already
+        ensure_ray(address, num_lanes=config.cp_size)
+        # NOTE: a client that attached to a cluster leaves it connected; only the embedded
+        # Ray started here is stopped, by the last of this process's pools to let go.
+        owns_ray = address is None and take_embedded_ray()
+        try:
+            pool = cls.attach(name, options.timeout_s)
+            if pool is None:
+                pool = cls._create(name, config, kv, options, model, embedded=owns_ray)
+            elif model is not None:
+                model.remove()  # a checkpoint written for a pool that exists already
+        except BaseException:
+            if model is not None:
+                model.remove()
+            if owns_ray:
+                embedded_ray_released()
+            raise
         pool.owns_ray = owns_ray
         return pool
+
+    def release_ray(self) -> None:
+        """Give back this pool's share of the embedded Ray (the last share stops it)."""
+        if self.owns_ray:
+            self.owns_ray = False
+            embedded_ray_released()
 
     @classmethod
     def attach(cls, name: str, timeout_s: float = 60.0) -> Pool | None:
@@ -166,10 +188,27 @@ class Pool:
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
             detail = f"hello: coordinator {name!r} died ({type(e).__name__})"
             raise CoordinatorUnavailableError(detail) from None
-        return cls(name, coordinator, info["config"], info["lanes"], info["lane_names"], group_name)
+        return cls(
+            name,
+            coordinator,
+            info["config"],
+            info["lanes"],
+            info["lane_names"],
+            group_name,
+            kv=info.get("kv"),
+            vocab_size=info.get("vocab_size"),
+        )
 
     @classmethod
-    def _create(cls, name: str, config: CPConfig, kv: KVShape, options: LaneOptions, model) -> Pool:
+    def _create(
+        cls,
+        name: str,
+        config: CPConfig,
+        kv: KVShape,
+        options: LaneOptions,
+        model,
+        embedded: bool = False,
+    ) -> Pool:
         gpus = options.num_gpus_per_lane
         if gpus is None:
             have = ray.cluster_resources().get("GPU", 0)
@@ -178,53 +217,64 @@ class Pool:
         # on lane names; the loser removes its lanes below.
         names = _Names(f"{name}-{uuid.uuid4().hex[:8]}-")
         sized_later = options.gpu_memory_utilization is not None
-        group, lanes = _place_lanes(config, kv, names, gpus, options, model, sized_later)
+        group, lanes = _place_lanes(config, kv, names, gpus, options, model, sized_later, embedded)
         if sized_later:
             try:
                 config = _size_from_memory(config, lanes, gpus, options)
             except BaseException:
                 _remove(lanes, group)
                 raise
-        opts = {"name": name, "namespace": NAMESPACE, "get_if_exists": True}
+        opts: dict = {"name": name, "namespace": NAMESPACE}
         if options.detached:
             opts["lifetime"] = "detached"
         from cpkv.actors.coordinator import CoordinatorActor
 
         vocab = model.config.vocab_size if model is not None else None
-        coordinator = CoordinatorActor.options(**opts).remote(
-            config,
-            kv,
-            names.lanes(config.cp_size),
-            options.heartbeat_s,
-            options.timeout_s,
-            options.lane_hang_s,
-            vocab,
-            options.compiled_steps,
-        )
-        # The first answer comes once the coordinator has reset its lanes.
-        pool = cls._of(name, coordinator, options.start_timeout_s, names.group)
-        if pool.lane_names != names.lanes(config.cp_size):
-            _remove(lanes, group)  # lost a creation race: another driver's coordinator won
+        try:
+            coordinator = CoordinatorActor.options(**opts).remote(
+                config,
+                kv,
+                names.lanes(config.cp_size),
+                options.heartbeat_s,
+                options.timeout_s,
+                options.lane_hang_s,
+                vocab,
+                options.compiled_steps,
+            )
+        except ValueError:  # the name is taken: another driver's coordinator won the race
+            _remove(lanes, group)
             if model is not None:
                 model.remove()
-            pool.group_name = None  # the winner's: found when stopped
-            return pool
+            winner = ray.get_actor(name, namespace=NAMESPACE)
+            return cls._of(name, winner, options.start_timeout_s)  # its group found at stop
+        try:
+            # The first answer comes once the coordinator has reset its lanes.
+            pool = cls._of(name, coordinator, options.start_timeout_s, names.group)
+        except BaseException:  # it died or hung starting: nothing of the pool stays
+            with contextlib.suppress(Exception):
+                ray.kill(coordinator, no_restart=True)
+            _remove(lanes, group)
+            raise
         # NOTE: keep the creator's own handles: lanes not detached die with their last one.
         pool.lanes, pool.created, pool.model = lanes, True, model
+        pool.detached = options.detached
         return pool
 
     def stop(self) -> None:
-        """Stop the coordinator, its lanes and their placement group (for every client)."""
+        """Stop the coordinator, its lanes and their placement group (for every client);
+        a second call does nothing."""
+        if self.stopped or not ray.is_initialized():  # (a call would start a new Ray)
+            return
+        self.stopped = True
         with contextlib.suppress(Exception):  # already gone
             ray.get(self.coordinator.shutdown.remote(), timeout=5)
-        ray.kill(self.coordinator, no_restart=True)
-        for lane in self.lanes:
+        for actor in (self.coordinator, *self.lanes):
             with contextlib.suppress(Exception):
-                ray.kill(lane, no_restart=True)
-        group = self.group_name or _find_group(self.lane_names)
+                ray.kill(actor, no_restart=True)
+        group = _find_group(self.lane_names, self.group_name)
         if group is not None:
-            with contextlib.suppress(Exception):  # no such group (another stopped it)
-                remove_placement_group(get_placement_group(group))
+            with contextlib.suppress(Exception):  # removed meanwhile (another stopped it)
+                remove_placement_group(group)
         if self.model is not None:
             self.model.remove()
             self.model = None
@@ -245,15 +295,19 @@ class _Names:
         return [f"{self.prefix}lane{r}" for r in range(cp_size)]
 
 
-def _find_group(lane_names: list[str]) -> str | None:
-    """The live placement group named with the lanes ``lane_names`` (one :class:`_Names`)."""
-    for info in placement_group_table().values():
+def _find_group(lane_names: list[str], name: str | None = None) -> PlacementGroup | None:
+    """The live placement group ``name``, or named with the lanes ``lane_names`` (one
+    :class:`_Names`), whichever Ray namespace created it (the table lists them all; a
+    lookup by name sees only the caller's)."""
+    from ray._raylet import PlacementGroupID
+
+    for group_id, info in placement_group_table().items():
         group = info.get("name") or ""
         if info.get("state") == "REMOVED" or not group.endswith("lanes"):
             continue
         names = _Names(group.removesuffix("lanes"))
-        if names.lanes(len(lane_names)) == list(lane_names):
-            return names.group
+        if group == name or names.lanes(len(lane_names)) == list(lane_names):
+            return PlacementGroup(PlacementGroupID(bytes.fromhex(group_id)))
     return None
 
 
@@ -265,11 +319,16 @@ def _place_lanes(
     options: LaneOptions,
     model,
     sized_later: bool,
+    embedded: bool = False,
 ) -> tuple[object, list]:
     """Reserve one bundle per lane and start a lane actor in each; wait until all started.
 
+    Args:
+        embedded: the Ray is the local one this process started: nothing will add room, so
+            bundles that do not fit what is free fail at once instead of at the timeout.
+
     Raises:
-        InvalidRequestError: a bad resource amount.
+        InvalidRequestError: a bad resource amount, or more than the embedded Ray has free.
         TimeoutError: the cluster cannot fit the bundles, or the lanes did not start, in time.
         ray.exceptions.RayActorError: a lane failed to start (its constructor raised).
     """
@@ -286,6 +345,16 @@ def _place_lanes(
         )
     bundle = {"CPU": cpus, "GPU": num_gpus_per_lane}
     bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.01}
+    if embedded:
+        free = ray.available_resources()
+        short = {k: v * config.cp_size for k, v in bundle.items()}
+        short = {k: v for k, v in short.items() if v > free.get(k, 0.0) + 1e-9}
+        if short:
+            raise InvalidRequestError(
+                f"{config.cp_size} lanes of {bundle} need {short}; this process's local Ray "
+                f"has { ({k: free.get(k, 0.0) for k in short}) } free (another pool holds the "
+                "rest): stop it first, pass num_gpus_per_lane=, or start Ray with more"
+            )
     pg = placement_group(
         [dict(bundle) for _ in range(config.cp_size)],
         strategy=options.strategy,

@@ -6,11 +6,26 @@ import logging
 import os
 import sys
 
-__all__ = ["NAMESPACE", "ensure_ray", "keep_ray_on_loopback", "local_gpu_count"]
+__all__ = [
+    "NAMESPACE",
+    "embedded_ray_released",
+    "ensure_ray",
+    "keep_ray_on_loopback",
+    "local_gpu_count",
+    "take_embedded_ray",
+]
 
 logger = logging.getLogger("cpkv")
 
 NAMESPACE = "cpkv"
+
+
+class _Embedded:
+    """The local Ray this process started (``address=None``) and how many of its pools still
+    use it: the last to let go shuts it down (not the first, under the others)."""
+
+    running = False
+    users = 0
 
 
 def local_gpu_count() -> int:
@@ -61,6 +76,7 @@ def ensure_ray(address: str | None, *, num_lanes: int, quiet: bool = False) -> b
         logs = {"configure_logging": True, "logging_level": level} if quiet else {}
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=not quiet, **logs)
         return True
+    _Embedded.running, _Embedded.users = True, 0
     ray.init(
         address="local",  # a new Ray of our own, never one found via RAY_ADDRESS or /tmp/ray
         include_dashboard=False,
@@ -71,4 +87,28 @@ def ensure_ray(address: str | None, *, num_lanes: int, quiet: bool = False) -> b
         configure_logging=True,
         logging_level=level,
     )
+    return True
+
+
+def take_embedded_ray() -> bool:
+    """A pool of this process uses the embedded Ray: True when that Ray runs (the pool then
+    holds a share of it, given back with :func:`embedded_ray_released`)."""
+    import ray
+
+    if not (_Embedded.running and ray.is_initialized()):
+        return False
+    _Embedded.users += 1
+    return True
+
+
+def embedded_ray_released() -> bool:
+    """Give back a pool's share of the embedded Ray; the last share shuts it down. Whether
+    it was the last."""
+    import ray
+
+    _Embedded.users = max(0, _Embedded.users - 1)
+    if _Embedded.users or not _Embedded.running:
+        return False
+    _Embedded.running = False
+    ray.shutdown()
     return True

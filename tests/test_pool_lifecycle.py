@@ -1,0 +1,126 @@
+"""A pool's actors and placement group: nothing stays behind a failed start, a dropped
+creator or a second shutdown, and an attach must name the pool that exists."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group_table
+
+import cpkv
+from cpkv import InvalidRequestError
+from cpkv.actors.pool import Pool
+from cpkv.errors import RequestTimeoutError
+
+from .conftest import DEFAULTS
+
+pytestmark = pytest.mark.ray
+
+ONE_LANE = {**DEFAULTS, "cp_size": 1}
+
+
+def _groups(name: str) -> list[str]:
+    """States of the placement groups of the pool named ``name``."""
+    return [
+        info["state"]
+        for info in placement_group_table().values()
+        if (info.get("name") or "").startswith(f"{name}-")
+    ]
+
+
+def _wait(check, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_coordinator_that_never_answers_at_start_leaves_no_lane_or_group(
+    ray_session, monkeypatch
+):
+    def no_answer(cls, name, coordinator, timeout_s, group_name=None):
+        raise RequestTimeoutError(f"hello: {name!r} gave no answer within {timeout_s}s")
+
+    monkeypatch.setattr(Pool, "_of", classmethod(no_answer))
+    name = f"nostart-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(RequestTimeoutError):
+        cpkv.connect(**{**ONE_LANE, "name": name})
+    _wait(lambda: set(_groups(name)) <= {"REMOVED"})
+    monkeypatch.undo()
+    _wait(lambda: Pool.attach(name) is None)  # the coordinator was killed: its name is free
+
+
+def test_a_second_shutdown_and_a_with_block_after_shutdown_do_nothing(ray_session):
+    name = f"twice-{uuid.uuid4().hex[:8]}"
+    with cpkv.connect(**{**ONE_LANE, "name": name}) as client:
+        client.shutdown()
+    client.shutdown()
+    assert ray.is_initialized()  # the session's Ray, neither stopped nor started anew
+    _wait(lambda: set(_groups(name)) <= {"REMOVED"})
+
+
+def test_a_dropped_creator_removes_its_placement_group(ray_session):
+    name = f"dropped-{uuid.uuid4().hex[:8]}"
+    client = cpkv.connect(**{**ONE_LANE, "name": name})
+    assert _groups(name) == ["CREATED"]
+    del client
+    gc.collect()
+    _wait(lambda: set(_groups(name)) <= {"REMOVED"})
+
+
+def test_attaching_with_another_kv_shape_is_refused(make_client):
+    client = make_client()
+    with pytest.raises(InvalidRequestError, match="head_dim=16"):
+        cpkv.connect(**{**DEFAULTS, "name": client.name, "head_dim": 16})
+    assert client.check()["ok"]
+
+
+EMBEDDED = textwrap.dedent(
+    """
+    import ray, cpkv
+    from cpkv import InvalidRequestError
+
+    shape = dict(cp_size=1, page_size=4, num_pages_per_lane=8, num_heads=2, head_dim=8,
+                 dtype="float32", max_context_len=64)
+    a = cpkv.connect(name="a", **shape)
+    try:  # the local Ray was sized for the first pool: said at once, not at a timeout
+        cpkv.connect(name="b", start_timeout_s=120, **shape)
+    except InvalidRequestError as e:
+        print("full:", "another pool holds the rest" in str(e))
+    b = cpkv.connect(name="b", num_gpus_per_lane=0, **shape)
+    a.shutdown()
+    print("ray after a:", ray.is_initialized(), b.stats()["num_requests"])
+    b.shutdown()
+    print("ray after b:", ray.is_initialized())
+    b.shutdown()  # a second time: does not start a Ray to stop the pool in again
+    print("ray after b again:", ray.is_initialized())
+    """
+)
+
+
+def test_two_pools_on_the_embedded_ray_and_the_last_one_stops_it(tmp_path):
+    script = tmp_path / "embedded.py"
+    script.write_text(EMBEDDED)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if ":" in line]
+    assert lines == [
+        "full: True",
+        "ray after a: True 0",
+        "ray after b: False",
+        "ray after b again: False",
+    ], out.stdout
