@@ -526,6 +526,14 @@ def test_step_request_rejects(kwargs: dict, match: str) -> None:
             0,
             r"page ids \[4\] appear more than once",
         ),
+        (  # a page one request reads and another writes
+            [StepSequence(0, 3, np.array([4])), StepSequence(4, 1, np.array([4, 6]))],
+            2,
+            4,
+            0,
+            r"page ids \[4\] appear more than once",
+        ),
+        ([StepSequence(8, 1, np.array([4, 4, 6]))], 2, 4, 0, r"page ids \[4\] appear"),
         ([StepSequence(0, 3, np.array([4]))], 2, 4, 2, "lane=2"),
         ([], 2, 4, 0, "at least one request"),
         ([StepSequence(0, 3, np.array([4]))], 0, 4, 0, "cp_size=0"),
@@ -534,6 +542,34 @@ def test_step_request_rejects(kwargs: dict, match: str) -> None:
 def test_step_plan_rejects(reqs: list, cp: int, ps: int, lane: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         StepPlan.build(reqs, cp, ps, lane)
+
+
+def test_requests_on_one_cached_prefix_share_its_pages_in_a_step() -> None:
+    shared = [4, 6]  # two full pages of a cached prefix, on lanes 0 and 1
+    a = StepSequence(8, 1, np.array([*shared, 8]))
+    b = StepSequence(8, 3, np.array([*shared, 10]))
+    plan = StepPlan.build([a, b], 2, 4, 0)
+    assert plan.num_tokens == 4
+
+
+def test_a_probe_in_another_dtype_attends_in_the_shards() -> None:
+    """Probe rows in fp32 on a bf16 pool: q, k and v all take the shard's dtype (q alone
+    did not: both the SDPA route and the paged kernel refused the step)."""
+    from cpkv.core.config import KVShape
+    from cpkv.core.steps import StepRequest
+    from cpkv.lanes.shard import LaneShard
+    from cpkv.lanes.worker import LaneWorker
+
+    shard = LaneShard(0, 16, 4, KVShape(1, 2, 8, "bfloat16"), "cpu")
+    worker = LaneWorker(0, 1, torch.device("cpu"), None)
+    worker.init_group("g", "127.0.0.1", 0, "gloo", 10.0)
+    for step_id, prefix in ((1, 0), (2, 6)):  # fresh (SDPA), then on a cached prefix (paged)
+        n = 6
+        pages = np.arange(1, 1 + -(-(prefix + n) // 4))
+        probe = (torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8))
+        step = StepRequest(step_id, "g", (StepSequence(prefix, n, pages),), probe=probe)
+        res = worker.step(shard, step)
+        assert res.out.shape == (n, 4, 8) and bool(torch.as_tensor(res.out).isfinite().all())
 
 
 def test_exchange_costs_follow_the_model() -> None:

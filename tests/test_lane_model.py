@@ -68,8 +68,16 @@ def test_prefill_chunks_prefix_reuse_and_decode_equal_transformers(make_client, 
     res = c.prefill("reuse", shared)
     assert res.allocation.prefix_len == 24 and res.allocation.cached_len == 24
     assert_close(res.logits, hf_logits(hf_llama, shared))
-    # Decode several steps, two requests at once.
-    seqs = {"chunked": seq, "reuse": shared}
+    # Two more on the same cached prefix, in one step: requests share its pages (read-only).
+    batch = [
+        (f"reuse{i}", np.concatenate([prompt[:24], rng.integers(0, VOCAB, size=5 + i)]))
+        for i in (2, 3)
+    ]
+    for (_, tokens), res in zip(batch, c.prefill_batch(batch), strict=True):
+        assert res.allocation.cached_len == 24
+        assert_close(res.logits, hf_logits(hf_llama, tokens))
+    # Decode several steps, three requests at once (two of them on shared pages).
+    seqs = {"chunked": seq, "reuse": shared, batch[0][0]: batch[0][1]}
     for _ in range(3):
         nxt = [int(np.argmax(hf_logits(hf_llama, s))) for s in seqs.values()]
         got = c.decode(list(seqs), nxt)

@@ -53,8 +53,10 @@ def check_sequences(requests: Sequence[StepSequence], cp_size: int, page_size: i
 
     Raises:
         ValueError: no requests, a request whose page count is not ``ceil(seq_len /
-            page_size)``, a reserved page (local page 0, i.e. ``g < cp_size``), or a page id
-            used twice in the step.
+            page_size)``, a reserved page (local page 0, i.e. ``g < cp_size``), a page twice
+            in one request, or a page the step writes (from a request's ``prefix_len`` on)
+            that another request holds too. Full pages of a prefix are only read: requests
+            that hit one cached prefix share them.
     """
     cp, ps = cp_size, page_size
     if len(requests) == 0:
@@ -76,8 +78,16 @@ def check_sequences(requests: Sequence[StepSequence], cp_size: int, page_size: i
             f"(reserved) with cp_size={cp}"
         )
     uniq, seen = np.unique(pages, return_counts=True)
-    if bool((seen > 1).any()):
-        raise ValueError(f"page ids {uniq[seen > 1].tolist()} appear more than once in the step")
+    shared = uniq[seen > 1]
+    if shared.size:  # only cached prefix pages may be shared, by different requests
+        held = [r.pages.shape[0] for r in requests]
+        owner = np.repeat(np.arange(len(requests)), held)
+        _, per_request = np.unique(pages * len(requests) + owner, return_counts=True)
+        written = np.concatenate([r.pages[r.prefix_len // ps :] for r in requests])
+        bad = shared[np.isin(shared, written)]
+        if bad.size or bool((per_request > 1).any()):
+            twice = bad if bad.size else shared
+            raise ValueError(f"page ids {twice.tolist()} appear more than once in the step")
     return pages
 
 

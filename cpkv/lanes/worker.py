@@ -257,7 +257,7 @@ class LaneWorker:
         # probe costs more than the attention).
         q, k, v = (t.to(dev, non_blocking=True) for t in probe)
         mine = torch.from_numpy(rows[plan.my_tokens]).to(dev)
-        q, k, v = q[mine], k[mine].to(dtype), v[mine].to(dtype)
+        q, k, v = (t[mine].to(dtype) for t in (q, k, v))  # the shard's dtype, as a model's
         with self._attention_clock.timed(dev):
             o = attn.forward(shard.k[0], shard.v[0], q, k, v, q.shape[-1] ** -0.5)
         return o.float().cpu()
