@@ -262,9 +262,10 @@ class _LeaseKeeper:
             if self._client() is None:
                 return
             try:
-                if not ray.get(
+                renewed = ray.get(
                     self._coord.renew_lease.remote(self._client_id), timeout=self._lease_s
-                ):
+                )
+                if not renewed and not self._stop.is_set():  # (closed by shutdown meanwhile)
                     # Lapsed (or a new coordinator): open the lease again. NOTE: the lapse
                     # stays remembered; the client's next call is told what was freed.
                     ray.get(self._coord.hello.remote(*self._hello_args), timeout=self._lease_s)
