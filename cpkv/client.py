@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -65,6 +66,9 @@ logger = logging.getLogger("cpkv.client")
 DEFAULT_NAME = "cpkv-coordinator"
 
 _T = TypeVar("_T")
+# A new pool's K/V fields when connect() names none (an attaching client takes the pool's).
+_KV_FIELDS = tuple(f.name for f in dataclasses.fields(KVShape))
+_DEFAULT_KV = dataclasses.astuple(KVShape())
 # Digest offsets remembered by (call id, rid), for retries by call id.
 _REMEMBERED_OFFSETS = 4096
 # A coordinator call: yields ``(ref, what)``, is sent the answer, returns the result.
@@ -88,10 +92,10 @@ def connect(
     heartbeat_s: float = 1.0,
     lease_s: float | None = 30.0,
     detached: bool = False,
-    num_layers: int = 1,
-    num_heads: int = 8,
-    head_dim: int = 128,
-    dtype: str = "bfloat16",
+    num_layers: int | None = None,
+    num_heads: int | None = None,
+    head_dim: int | None = None,
+    dtype: str | None = None,
     model=None,
     model_seed: int | None = None,
     gpu_memory_utilization: float | None = None,
@@ -127,7 +131,9 @@ def connect(
             client's requests. ``None``: no lease, requests live until freed.
         detached: actors outlive this driver (for shared, long-lived pools).
         num_layers, num_heads, head_dim, dtype: each lane's K/V tensors (taken from the
-            model's config when a model is given).
+            model's config when a model is given). ``None``: a new pool's defaults (1, 8,
+            128, ``bfloat16``), an existing pool's own when attaching; one named must be
+            the existing pool's.
         model: run this model's prefill and decode on the lanes: a transformers
             Llama-family ``*ForCausalLM`` instance (its weights are put in Ray's object
             store once), a checkpoint directory every lane can read (``config.json`` +
@@ -197,13 +203,14 @@ def connect(
 
         spec = ModelSpec.from_source(model, seed=model_seed)
         num_layers, num_heads, head_dim, dtype = spec.kv_shape
-    kv = KVShape(num_layers, num_heads, head_dim, dtype)
+    asked = (num_layers, num_heads, head_dim, dtype)
+    kv = KVShape(*(d if a is None else a for a, d in zip(asked, _DEFAULT_KV, strict=True)))
     pool = Pool.open(address, name, config, kv, options, spec)
     try:
         if not pool.created:
             if gpu_memory_utilization is not None:  # sized by its creator: compare the rest
                 config = replace(config, num_pages_per_lane=pool.config.num_pages_per_lane)
-            _check_attached(pool, name, config, kv, spec)
+            _check_attached(pool, name, config, asked, spec)
         return CPKVClient(
             pool.coordinator,
             timeout_s=timeout_s,
@@ -221,20 +228,21 @@ def connect(
         raise
 
 
-def _check_attached(pool: Pool, name: str, config: CPConfig, kv: KVShape, spec) -> None:
-    """An existing pool must be the one asked for: its shape, and its model's K/V and
-    vocabulary when a model is named (a client naming none takes the pool's)."""
+def _check_attached(pool: Pool, name: str, config: CPConfig, asked: tuple, spec) -> None:
+    """An existing pool must be the one asked for: its shape, the K/V fields the caller
+    named (``None``: the pool's), and its model's vocabulary when a model is named."""
     if pool.config != config:
         raise InvalidRequestError(
             f"coordinator {name!r} exists with {pool.config}, asked for {config}"
         )
+    have = dataclasses.astuple(pool.kv) if pool.kv is not None else (None,) * 4
+    named = [(f, a, h) for f, a, h in zip(_KV_FIELDS, asked, have, strict=True) if a is not None]
     vocab = None if spec is None else spec.config.vocab_size
-    if spec is None and pool.vocab_size is not None:
-        return
-    if (pool.kv, pool.vocab_size) != (kv, vocab):
+    if any(a != h for _, a, h in named) or (spec is not None and vocab != pool.vocab_size):
+        want = ", ".join(f"{f}={a!r}" for f, a, _ in named)
         raise InvalidRequestError(
-            f"coordinator {name!r} exists with {pool.kv} and vocab_size={pool.vocab_size}, "
-            f"asked for {kv} and vocab_size={vocab}"
+            f"coordinator {name!r} exists with {pool.kv} and vocab_size={pool.vocab_size}; "
+            f"asked for {want or 'its K/V'} and vocab_size={vocab}"
         )
 
 
