@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 import importlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -434,6 +435,10 @@ def test_tma_path_only_where_a_descriptor_fits(monkeypatch):
     assert not tma_mod.tma_supported(q[..., :24], torch.zeros(3, 64, 2, 24))  # D not a box side
     assert not tma_mod.tma_supported(q, torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16))  # page 16
     assert not tma_mod.tma_supported(q, torch.zeros(3, 48, 2, 64, dtype=torch.bfloat16))
+    # A descriptor needs 16-byte aligned bases and at least one page, V's too.
+    flat = torch.zeros(3 * 64 * 2 * 64 + 1, dtype=torch.bfloat16)
+    assert not tma_mod.tma_supported(q, k, flat[1:].view(3, 64, 2, 64))
+    assert not tma_mod.tma_supported(q, torch.zeros(0, 64, 2, 64, dtype=torch.bfloat16))
     monkeypatch.setattr(tma_mod, "MODE", "auto")
     # Under the interpreter (or on a GPU other than sm_90) "auto" keeps the pointer kernel.
     if not GPU or torch.cuda.get_device_capability()[0] != 9:
@@ -526,6 +531,21 @@ def test_merge_all_neg_inf_and_strided_parts():
     lses = torch.randn(5, 3, 2, 3)[:, 1]
     got = K.merge_attn_states(dev(outs), dev(lses))
     assert_attention_close(got, merge_loop(outs, lses), torch.float32)
+
+
+@pytest.mark.skipif(GPU, reason="a lazily mapped host buffer; on a GPU it would be 8 GiB")
+def test_merge_offsets_past_int32():
+    """Parts 2**30 elements apart: part 2 starts past 2**31 elements, where an int32 offset
+    wraps to memory before ``outs`` (a [cp, T, H, D] stack at cp=4, T=180k, 32 x 128 heads)."""
+    stride, d, base = 2**30, 8, 2**31
+    buf = torch.empty(base + 2 * stride + d, dtype=torch.float16)  # untouched pages stay unmapped
+    buf[:d] = 1000.0  # what a wrapped offset would read
+    outs = buf.as_strided((3, 1, 1, d), (stride, d, d, 1), base)
+    for p in range(3):
+        outs[p].fill_(p + 1.0)
+    out, lse = K.merge_attn_states(outs, torch.zeros(3, 1, 1))
+    torch.testing.assert_close(out, torch.full((1, 1, d), 2.0))  # equal weights: the mean
+    torch.testing.assert_close(lse, torch.full((1, 1), math.log(3.0)))
 
 
 def test_merge_empty():

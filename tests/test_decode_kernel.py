@@ -120,8 +120,35 @@ def test_splits_fill_the_device_and_stay_in_range():
         (lambda a: {**a, "k_cache": a["k_cache"].half()}, "k_cache has dtype"),
         (lambda a: {**a, "sm_scale": 0.0}, "sm_scale"),
         (lambda a: {**a, "num_splits": 0}, "num_splits"),
+        # The kernel reads seq_lens at unit stride: a strided view would be read wrong.
+        (lambda a: {**a, "seq_lens": a["seq_lens"].repeat_interleave(2)[::2]}, "contiguous"),
+        (
+            lambda a: {**a, "k_cache": a["k_cache"][:, :0], "v_cache": a["v_cache"][:, :0]},
+            "page_size 0",
+        ),
+        (
+            lambda a: {**a, "k_cache": a["k_cache"][:, :, :0], "v_cache": a["v_cache"][:, :, :0]},
+            "does not fit the cache",
+        ),
+        (lambda a: {**a, "sm_scale": float("inf")}, "finite"),
+        (lambda a: {**a, "sm_scale": "0.25"}, "finite"),
+        (lambda a: {**a, "num_splits": 2.5}, "num_splits"),
     ],
-    ids=["head-dim", "batch", "table-dtype", "table-stride", "cache-dtype", "scale", "splits"],
+    ids=[
+        "head-dim",
+        "batch",
+        "table-dtype",
+        "table-stride",
+        "cache-dtype",
+        "scale",
+        "splits",
+        "lens-strided",
+        "page-0",
+        "kv-heads-0",
+        "scale-inf",
+        "scale-str",
+        "splits-float",
+    ],
 )
 def test_decode_rejects_misuse_with_the_numbers(change, match):
     q, k, v, table, seq_lens = make([20, 40], 16, 4, 2, 16, torch.float32)

@@ -59,16 +59,20 @@ if HAS_TRITON:
 
         m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         for part in range(n_parts):
-            lse = tl.load(lses_ptr + part * stride_ll + lse_off, mask=r_ok, other=float("-inf"))
+            # NOTE: int64 offsets: a [cp, T, H, D] stack passes 2**31 elements at cp=4, T=180k,
+            # 32 x 128 heads (the loop counter and a stride below 2**31 are int32).
+            p64 = tl.cast(part, tl.int64)
+            lse = tl.load(lses_ptr + p64 * stride_ll + lse_off, mask=r_ok, other=float("-inf"))
             m = tl.maximum(m, lse)
         # No part saw a key: weights exp(-inf - 0) = 0, so out 0 and lse -inf below.
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         s = tl.zeros([BLOCK_R], dtype=tl.float32)
         for part in range(n_parts):
-            lse = tl.load(lses_ptr + part * stride_ll + lse_off, mask=r_ok, other=float("-inf"))
+            p64 = tl.cast(part, tl.int64)
+            lse = tl.load(lses_ptr + p64 * stride_ll + lse_off, mask=r_ok, other=float("-inf"))
             w = tl.math.exp2((lse - m_safe) * 1.4426950408889634)
-            o = tl.load(outs_ptr + part * stride_ol + o_off, mask=mask, other=0.0).to(tl.float32)
+            o = tl.load(outs_ptr + p64 * stride_ol + o_off, mask=mask, other=0.0).to(tl.float32)
             # NOTE: a part that saw no key (w == 0) adds nothing even if its out is not 0.
             acc += tl.where(w[:, None] > 0.0, w[:, None] * o, 0.0)
             s += w

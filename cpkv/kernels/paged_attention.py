@@ -488,7 +488,7 @@ def paged_partial_attention(
     # NOTE: Triton's interpreter (3.9) multiplies the raw bit patterns of bf16 tiles in tl.dot;
     # there the tiles go to fp32 first (so P is not rounded to bf16 as it is on the GPU).
     upcast = q.dtype == torch.bfloat16 and interpreter_enabled()
-    tma = paged_attention_tma.tma_supported(q, k_cache)
+    tma = paged_attention_tma.tma_supported(q, k_cache, v_cache)
     if tma:
         cfg = paged_attention_tma.config_for(d, page_size, group, max_q_len)
     else:

@@ -127,9 +127,12 @@ def _gcd_pow2(pow2: int, n: int) -> int:
     return g
 
 
-def tma_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def tma_supported(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None
+) -> bool:
     """Whether this launch can take the TMA path under :data:`MODE` (checked after the
-    launcher's validation: shapes and dtypes already agree)."""
+    launcher's validation: shapes and dtypes already agree; ``v_cache`` is ``k_cache``'s
+    shape, its address checked too)."""
     if MODE == "never" or TensorDescriptor is None:
         return False
     if interpreter_enabled():
@@ -148,7 +151,8 @@ def tma_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and page_size <= _MAX_BOX
         and (hkv * d * k_cache.element_size()) % 16 == 0
         and k_cache.data_ptr() % 16 == 0
-        and k_cache.shape[0] * page_size < 2**31  # descriptor coordinates are int32
+        and (v_cache is None or v_cache.data_ptr() % 16 == 0)
+        and 0 < k_cache.shape[0] * page_size < 2**31  # descriptor coordinates are int32
     )
 
 

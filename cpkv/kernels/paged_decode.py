@@ -10,6 +10,8 @@ the device, so a launch records into a CUDA graph and replays for any context le
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cpkv.kernels import naive
@@ -168,14 +170,16 @@ def _validate(
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(_NAME, name, t, ndim=4, dtypes=(q.dtype,), contiguous=True)
     check_tensor(_NAME, "block_table", block_table, ndim=2, dtypes=INT_DTYPES)
-    check_tensor(_NAME, "seq_lens", seq_lens, ndim=1, dtypes=INT_DTYPES)
+    check_tensor(_NAME, "seq_lens", seq_lens, ndim=1, dtypes=INT_DTYPES, contiguous=True)
     b, hq, d = q.shape
     if k_cache.shape != v_cache.shape:
         raise ValueError(
             f"{_NAME}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ"
         )
     hkv = k_cache.shape[2]
-    if k_cache.shape[3] != d or hq % hkv:
+    if k_cache.shape[1] < 1:
+        raise ValueError(f"{_NAME}: page_size {k_cache.shape[1]} (k_cache dim 1) must be >= 1")
+    if k_cache.shape[3] != d or hkv == 0 or hq % hkv:
         raise ValueError(
             f"{_NAME}: q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)} "
             "(need one head dim and Hq % Hkv == 0)"
@@ -191,9 +195,11 @@ def _validate(
         raise ValueError(
             f"{_NAME}: block_table must have unit stride on pages, got {block_table.stride()}"
         )
-    if not sm_scale > 0:
-        raise ValueError(f"{_NAME}: sm_scale={sm_scale} must be > 0")
-    if num_splits is not None and (isinstance(num_splits, bool) or num_splits < 1):
+    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"{_NAME}: sm_scale={sm_scale!r} must be a finite number > 0")
+    if num_splits is not None and (
+        isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1
+    ):
         raise ValueError(f"{_NAME}: num_splits={num_splits!r} must be an int >= 1")
     return check_same_device(
         _NAME, q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens
