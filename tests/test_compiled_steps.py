@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from concurrent.futures import Future
 from typing import Any
 
@@ -323,9 +324,10 @@ class _Ray:
         return [pack(LaneReply((("gen", 0), f"lane {r} step {sid}"))) for r, sid in refs]
 
 
-def _steps(monkeypatch, builds: list, num_lanes: int = 2):
+def _steps(monkeypatch, builds: list, num_lanes: int = 2, dead: frozenset = frozenset()):
     """A CompiledSteps whose builds take their outcome from ``builds`` (a graph, an
-    exception to raise, or an Event to wait for before the next item)."""
+    exception to raise, or an Event to wait for before the next item); a ping after a
+    break finds the lanes ``dead`` dead."""
     from cpkv.actors import compiled_steps
 
     monkeypatch.setattr(compiled_steps, "ray", _Ray)
@@ -341,6 +343,9 @@ def _steps(monkeypatch, builds: list, num_lanes: int = 2):
             with self._write_lock:
                 self._graph = outcome
             self.num_builds += 1
+
+        def _dead_lanes(self) -> set[int]:
+            return set(dead)
 
     return Steps([None] * num_lanes, idle_s=60.0)
 
@@ -397,12 +402,14 @@ def test_steps_sent_while_the_graph_builds_are_written_in_order_by_the_graph_thr
 
 
 def test_a_failed_build_answers_its_steps_and_leaves_none_pending(monkeypatch):
-    from cpkv.coordinator.channel import LaneDeadError
+    from cpkv.coordinator.channel import LaneDeadError, StepAborted
 
     log: list = []
-    steps = _steps(monkeypatch, [RuntimeError("a lane is gone"), _Graph(log, 2)])
-    for reply in steps.execute(_packet(1)).result(timeout=10):
-        assert isinstance(reply.error, LaneDeadError)
+    steps = _steps(monkeypatch, [RuntimeError("a lane is gone"), _Graph(log, 2)], dead={1})
+    # The error names no actor: a ping tells the dead lane from the live one.
+    live, gone = steps.execute(_packet(1)).result(timeout=10)
+    assert isinstance(gone.error, LaneDeadError)
+    assert isinstance(live.error, StepAborted) and "lane 1 died" in str(live.error)
     assert steps._num_unwritten == 0 and steps.num_breaks == 1
     assert _values(steps.execute(_packet(2)))[0][1] == "lane 0 step 2"  # built again
     assert log == [("cpkv-graph", 2)]
@@ -411,17 +418,44 @@ def test_a_failed_build_answers_its_steps_and_leaves_none_pending(monkeypatch):
     steps.close()
 
 
+def test_a_ping_tells_dead_lanes_from_slow_and_live_ones(monkeypatch):
+    import ray as real_ray
+
+    from cpkv.actors import compiled_steps
+
+    outcomes = [None, real_ray.exceptions.ActorDiedError(), TimeoutError("slow"), None]
+
+    class _Lane:
+        def __init__(self, rank: int) -> None:
+            self.ping = types.SimpleNamespace(remote=lambda: rank)
+
+    class _PingRay:
+        exceptions = real_ray.exceptions
+
+        @staticmethod
+        def get(rank: int, timeout: float | None = None) -> None:
+            assert timeout == compiled_steps._PROBE_S
+            if outcomes[rank] is not None:
+                raise outcomes[rank]
+
+    monkeypatch.setattr(compiled_steps, "ray", _PingRay)
+    steps = compiled_steps.CompiledSteps([_Lane(r) for r in range(4)], idle_s=60.0)
+    assert steps._dead_lanes() == {1}  # the slow lane 2 is the hang check's to judge
+    steps.close()
+
+
 def test_a_write_that_fails_midway_fails_its_step_and_the_graph_is_built_again(monkeypatch):
-    from cpkv.coordinator.channel import LaneDeadError
+    from cpkv.coordinator.channel import StepAborted
 
     log: list = []
     broken = _Graph(log, 2, fail_writes=[RuntimeError("channel closed")])
     steps = _steps(monkeypatch, [broken, _Graph(log, 2)])
     steps.start("e")
     _built(steps)
-    # It may have reached some lanes: not written again.
+    # It may have reached some lanes: not written again. Every lane answers a ping, so the
+    # step failed and no lane is reported lost (each would be reset, its requests lost).
     for reply in steps.execute(_packet(1)).result(timeout=10):
-        assert isinstance(reply.error, LaneDeadError)
+        assert isinstance(reply.error, StepAborted) and "every lane alive" in str(reply.error)
     assert broken.torn_down and steps._num_unwritten == 0 and log == []
     assert _values(steps.execute(_packet(2)))[0][1] == "lane 0 step 2"
     assert log == [("cpkv-graph", 2)] and steps.num_builds == 2

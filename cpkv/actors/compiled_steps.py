@@ -46,6 +46,7 @@ from cpkv.actors.graphs import IDLE_TEARDOWN_S, compile_unowned, teardown_quietl
 from cpkv.actors.wire import pack, unpack
 from cpkv.coordinator.channel import LaneDeadError, StepAborted
 from cpkv.core.steps import LaneReply, StepPacket
+from cpkv.lane_io import actor_death
 
 __all__ = ["CompiledSteps"]
 
@@ -56,6 +57,9 @@ _STOP = object()
 # a longer step would break the graph. A hung lane is the supervisor's to kill instead.
 _NO_TIMEOUT_S = 7 * 24 * 3600.0
 _BUILD = object()
+# How long a lane may take to answer the ping that tells a dead lane from a live one after a
+# break that names no actor (a live lane answers in milliseconds once the graph is down).
+_PROBE_S = 5.0
 
 
 class _WriteFailed:
@@ -210,11 +214,16 @@ class CompiledSteps:
             self.num_breaks += 1
             self._teardown(graph)
             dead = self._lane_of(e)
+            dead_lanes = {dead} if dead is not None else self._dead_lanes()
             detail = f"{type(e).__name__}: {str(e)[:300]}"
+            if not dead_lanes:  # every lane answers: the step is lost, no lane with it
+                why = f"the step's graph broke with every lane alive: {detail}"
+                return [LaneReply(error=StepAborted(why)) for _ in self._lanes]
+            named = ", ".join(map(str, sorted(dead_lanes)))
             return [
                 LaneReply(error=LaneDeadError(detail))
-                if dead is None or r == dead
-                else LaneReply(error=StepAborted(f"lane {dead} died: {detail}"))
+                if r in dead_lanes
+                else LaneReply(error=StepAborted(f"lane {named} died: {detail}"))
                 for r in range(len(self._lanes))
             ]
         self.num_runs += 1
@@ -258,6 +267,21 @@ class CompiledSteps:
                 graph, self._graph = self._graph, None
         teardown_quietly(graph)  # a graph replaced already was torn down then: no-op
         return graph is not None
+
+    def _dead_lanes(self) -> set[int]:
+        """The lanes that a ping finds dead (after a break whose error named no actor, e.g. a
+        closed channel). A lane that does not answer in time is alive as far as this can
+        tell: the supervisor's hang check is the judge of that."""
+        refs = [lane.ping.remote() for lane in self._lanes]
+        dead = set()
+        for r, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=_PROBE_S)
+            except actor_death(ray):
+                dead.add(r)
+            except Exception as e:  # slow or hung: not known dead
+                logger.debug("compiled steps: lane %d probe: %s: %s", r, type(e).__name__, e)
+        return dead
 
     def _lane_of(self, error: BaseException) -> int | None:
         """The rank of the lane whose death ``error`` reports, when it says."""
