@@ -122,6 +122,29 @@ def test_moves_decided_after_a_compiled_step_go_only_once_it_is_answered(compile
     assert ch.num_waiting_moves == 0
 
 
+def test_a_step_that_could_not_be_sent_gives_its_moves_back(compiled):
+    """Taken to ride in it, they would wait for an answer that never comes (and the lane's
+    next fence for moves that never left)."""
+    ch, transport = compiled
+    ch.send_moves(0, np.array([1], I32), np.empty(0, I32), "prefill")  # seq 1, to ride
+
+    def refuse(packet: StepPacket) -> Future:
+        ch.send_moves(0, np.array([2], I32), np.empty(0, I32), "alloc")  # seq 2, meanwhile
+        raise MemoryError("no room for the packet")
+
+    transport.execute_steps = refuse
+    with pytest.raises(MemoryError):
+        ch.submit_steps("step")
+    _wait_calls(transport, 1)  # both go, in their order, as one call
+    assert [(c[0], c[1]) for c in transport.calls] == [(0, "apply_moves")]
+    assert [m[1] for m in transport.calls[0][2][0]] == [1, 2]
+    deadline = time.monotonic() + 5
+    while ch.num_pending:  # answered as ordinary calls: nothing waits for the step
+        assert ch.poll() == [] and time.monotonic() < deadline
+        time.sleep(0.001)
+    assert ch.num_riding_moves == 0 and ch.num_waiting_moves == 0
+
+
 def test_moves_held_back_ride_in_the_next_step_instead(compiled):
     ch, transport = compiled
     ch.submit_steps("step 1")

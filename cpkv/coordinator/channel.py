@@ -321,6 +321,7 @@ class LaneChannel:
         try:
             replies = self._transport.execute_steps(packet)
         except BaseException:
+            self._unsend(batches, moves)
             self._step_answered(None)
             raise
         self.num_calls += 1
@@ -331,6 +332,19 @@ class LaneChannel:
         # this side of a step 53-82 -> 33-42 us at cp 4 on the 2-core machine
         # (docs/bench-cpu/2026-12-06-step-handles/channel_handles.py).
         return [StepHandles(replies, r) for r in range(self.cp_size)]
+
+    def _unsend(self, batches: list[tuple | None], moves: list[Future | None]) -> None:
+        """A step was not sent: the moves it took go back in front of those decided since,
+        to go as ordinary calls (no lane saw them, so the order of each lane's moves holds)."""
+        taken = {id(m) for m in moves if m is not None}
+        with self._pending_lock:
+            self._pending = deque(p for p in self._pending if id(p[3]) not in taken)
+        with self._waiting_lock:
+            for lane, batch in enumerate(batches):
+                if batch is not None:
+                    self.num_riding_moves -= len(batch)
+                    self._waiting[lane][:0] = batch
+                    self._send_or_hold(lane)
 
     def call(self, lane: int, method: str, *args: Any, timeout: float) -> Any:
         """Queue a lane call and wait for its result (never call this holding a lock
