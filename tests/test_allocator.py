@@ -302,7 +302,9 @@ BAD_CALLS = [
     ("committed negative", lambda a: a.free("live", committed_len=-1), "-1"),
     ("empty batch", lambda a: a.allocate_extend_batch([]), "empty"),
     ("repeated batch", lambda a: a.allocate_extend_batch([("x", [1]), ("x", [2])]), "x"),
+    ("numpy bool token", lambda a: a.allocate_extend("n", [np.True_, 3]), "bool"),
     ("lane stats owner", lambda a: a.lane_stats([0, 5]), "5"),
+    ("lane stats float owners", lambda a: a.lane_stats([0.7, 1.9]), "float64"),
     ("drop bad lane", lambda a: a.drop_lane(7), "7"),
 ]
 
@@ -320,6 +322,34 @@ def test_bad_input_raises_and_leaves_state(fn, needle):
     assert needle in str(info.value)
     assert a.stats() == before
     a.check_invariants()
+
+
+def test_a_rejected_batch_leaves_the_cache_order_as_it_was():
+    """An item's length is checked before any item's prefix match, which would refresh the
+    cache's LRU order: the next eviction would then take another prompt's pages."""
+
+    def cached_after_eviction(bad_call: bool) -> tuple[int, int]:
+        a = make(cp=1, ps=1, pages=7, ctx=4, hash_key=bytes(32))
+        for rid, prompt in (("x", [1, 2]), ("y", [7, 8])):  # x older than y
+            a.allocate_extend(rid, prompt)
+            a.free(rid)
+        a.allocate_extend("live", [3, 3])
+        if bad_call:
+            with pytest.raises(InvalidRequestError, match="5 tokens"):
+                a.allocate_extend_batch([("n", [1, 2, 9]), ("live", [0, 0, 0])])
+        a.allocate_extend("z", [5, 6])  # evicts the least recently used prompt
+        return a.match_prefix([1, 2, 0]).size, a.match_prefix([7, 8, 0]).size
+
+    assert cached_after_eviction(True) == cached_after_eviction(False) == (0, 2)
+
+
+def test_free_checks_committed_len_of_a_request_lost_with_its_lane():
+    a = make()
+    a.allocate_extend("r", np.arange(40))
+    a.drop_lane(1)
+    with pytest.raises(InvalidRequestError, match="-5"):
+        a.free("r", committed_len=-5)
+    assert a.free("r") == 0  # the loss acknowledged once, by a well-formed call
 
 
 def test_double_free_and_decode_after_free():

@@ -71,6 +71,19 @@ def test_evict_exposes_parent_holding_deficit_pages():
     c.check()
 
 
+def test_evict_spares_leaves_that_expose_nothing_on_a_deficit_lane():
+    c = PrefixCache(cp_size=2, page_size=1)
+    for i, page in enumerate([3, 5, 7]):  # older prompts, a lane-1 page each
+        c.insert(hashes([100 + i], 1), np.array([page], dtype=np.int32))
+    # Newer: [1] on lane 0 with a child on lane 1; only the child's removal exposes lane 0.
+    c.insert(hashes([1, 2], 1), np.array([2, 13], dtype=np.int32))
+    c.match_prefix(hashes([1], 1))  # split: [1] a node of its own
+    res = c.evict(np.array([1, 0]))
+    assert sorted(int(p) for lane in res.freed_pages for p in lane) == [2, 13]
+    assert c.num_cached_pages_per_lane.tolist() == [0, 3]  # the older prompts stay cached
+    c.check()
+
+
 def test_drop_lane_removes_subtrees():
     c = PrefixCache(cp_size=2, page_size=1)
     c.insert(hashes([1, 2, 3], 1), np.array([2, 5, 4], dtype=np.int32))  # lanes 0,1,0

@@ -261,7 +261,10 @@ class CPAllocator:
         self, page_owners: Sequence[int] | np.ndarray
     ) -> tuple[list[int], list[int], list[int]]:
         """``(required, available, deficit)`` per lane for pages owned as given."""
-        owners = np.asarray(page_owners, dtype=np.int64)
+        raw = np.asarray(page_owners)
+        if raw.size and (raw.dtype == np.bool_ or not np.issubdtype(raw.dtype, np.integer)):
+            raise InvalidRequestError(f"page_owners must hold lane numbers, got dtype {raw.dtype}")
+        owners = raw.astype(np.int64, copy=False).reshape(-1)
         if owners.size and (owners.min() < 0 or owners.max() >= self.cp_size):
             raise InvalidRequestError(
                 f"page_owners must lie in [0, {self.cp_size}), got [{owners.min()}, {owners.max()}]"
@@ -423,15 +426,15 @@ class CPAllocator:
             InvalidRequestError: unknown rid (or freed twice), bad committed_len.
         """
         rid = check_rid(rid)
+        if committed_len is not None:  # checked for a lost request too: misuse is misuse
+            check_int("committed_len", committed_len, minimum=0)
         if self._requests.acknowledge_lost(rid):
             return 0
         req = self._requests.get(rid)
-        if committed_len is not None:
-            check_int("committed_len", committed_len, minimum=0)
-            if committed_len > req.num_tokens:
-                raise InvalidRequestError(
-                    f"committed_len={committed_len} > tokens held {req.num_tokens} for rid={rid!r}"
-                )
+        if committed_len is not None and committed_len > req.num_tokens:
+            raise InvalidRequestError(
+                f"committed_len={committed_len} > tokens held {req.num_tokens} for rid={rid!r}"
+            )
         self._requests.remove(rid)
         pages = req.pages
         keep = req.num_cached_pages
@@ -557,10 +560,11 @@ class CPAllocator:
             self._chunk(rid, req, tok, cache_salt)
             for rid, req, tok in zip(rids, reqs, tokens, strict=True)
         ]
+        # Every item's length before any match: a match refreshes (and may split) the cache.
+        for rid, req, chunk in zip(rids, reqs, chunks, strict=True):
+            self._check_len(rid, 0 if req is None else req.num_tokens, chunk.num_tokens)
         # Match (and lock) every new request's prefix before deciding anything.
-        plans = [
-            self._plan(rid, req, chunk) for rid, req, chunk in zip(rids, reqs, chunks, strict=True)
-        ]
+        plans = [self._plan(req, chunk) for req, chunk in zip(reqs, chunks, strict=True)]
         locked = [p.match.node for p in plans if p.match is not None]
         for node in locked:
             self._cache.lock(node)
@@ -612,11 +616,10 @@ class CPAllocator:
             )
         return req.next_chunk(self._hasher, tokens)
 
-    def _plan(self, rid: Hashable, req: Request | None, chunk: Chunk) -> ExtendPlan:
+    def _plan(self, req: Request | None, chunk: Chunk) -> ExtendPlan:
         """Decide where one request's step goes: cached prefix, owner plan or rotation."""
         num_tokens = chunk.num_tokens
         prefix_len = 0 if req is None else req.num_tokens
-        self._check_len(rid, prefix_len, num_tokens)
         if req is not None:
             return plan_extend(self.layout, self.config.owner_split, None, prefix_len, num_tokens)
         # Leave at least one token to compute (a prefill must produce logits).

@@ -274,14 +274,28 @@ class PrefixCache:
         for node in self._nodes.values():
             if node.children or node.lock_ref:
                 continue
-            if fallback is None or node.last_access < fallback.last_access:
-                fallback = node
-            if node.lane_counts[short].any() and (
-                best is None or node.last_access < best.last_access
+            if node.lane_counts[short].any():
+                if best is None or node.last_access < best.last_access:
+                    best = node
+            elif (
+                best is None
+                and (fallback is None or node.last_access < fallback.last_access)
+                and self._exposes_short(node, short)
             ):
-                best = node
-        # A leaf with no page on a short lane only helps by exposing its parent.
+                fallback = node
+        # A leaf with no page on a short lane only helps by exposing an ancestor that has one
+        # (any other leaf would go for nothing: a cached prompt lost).
         return best if best is not None else fallback
+
+    @staticmethod
+    def _exposes_short(leaf: _Node, short: np.ndarray) -> bool:
+        """Whether an unlocked ancestor of ``leaf`` holds a page on a ``short`` lane."""
+        node = leaf.parent
+        while node is not None and not node.lock_ref:
+            if node.lane_counts[short].any():
+                return True
+            node = node.parent
+        return False
 
     def _trim(self, leaf: _Node, remaining: np.ndarray) -> np.ndarray:
         """Drop the fewest tail pages of ``leaf`` that cover what it can of ``remaining``."""

@@ -108,7 +108,7 @@ def as_token_array(token_ids: object, *, name: str = "token_ids") -> np.ndarray:
     if not isinstance(token_ids, np.ndarray) and (
         arr.dtype == np.bool_
         or not np.issubdtype(arr.dtype, np.integer)
-        or any(type(t) is bool for t in token_ids)  # numpy reads [True, 3] as [1, 3]
+        or any(type(t) in (bool, np.bool_) for t in token_ids)  # numpy reads [True, 3] as [1, 3]
     ):
         _object_ids(token_ids, name)  # names the first id that is not a plain integer
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
@@ -139,7 +139,7 @@ def check_vocab(tokens: np.ndarray, vocab_size: int | None, *, name: str = "toke
 def _object_ids(token_ids: object, name: str) -> np.ndarray:
     """Python ints too large for int64 (or mixed objects) in a list: name the first bad one."""
     for i, t in enumerate(token_ids):  # type: ignore[union-attr]
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
             raise InvalidRequestError(
                 f"{name}[{i}]={t!r} ({type(t).__name__}) is not an integer id"
             )
