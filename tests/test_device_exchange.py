@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cpkv.lanes.comm import LaneGroup, free_port
@@ -392,3 +393,39 @@ def test_cuda_peer_dying_with_its_write_queued(tmp_path: Path) -> None:
     # docs/gpu-run/ipc/dying2.txt, even after recording that event from this side): the lane
     # knows it (device_stuck), and the worker restarts its process.
     assert report["stream"] == "stuck" and report["device_stuck"], report
+
+
+# --- a group whose build fails after its gloo group started ---
+
+
+class DiesWhileMapping(FakeIpcDevice):
+    """The stand-in of a lane killed while the group is built (mapping its peers)."""
+
+    __slots__ = ()
+
+    def open(self, desc: dict) -> torch.Tensor:
+        os._exit(0)  # exit code 0: mp.spawn would stop lane 0 too on another
+
+
+def half_built_main(rank: int, port: int, out_dir: str) -> None:
+    dev = DiesWhileMapping() if rank == 1 else FakeIpcDevice()
+    report: dict = {}
+    try:
+        LaneGroup.create(rank, 2, "127.0.0.1", port, "cuda_ipc", 10.0, exchange_device=dev)
+        report["create"] = "returned"
+    except Exception as e:  # the agreement fails: lane 1 is gone
+        report["create"] = type(e).__name__
+    report["initialized"] = dist.is_initialized()
+    report["files_left"] = [p for p in dev._files if os.path.exists(p)]
+    for p in report["files_left"]:
+        os.unlink(p)
+    Path(out_dir, f"half{rank}.json").write_text(json.dumps(report))
+
+
+def test_a_group_that_fails_halfway_leaves_the_process_as_it_found_it(tmp_path: Path) -> None:
+    """A peer dying while the ``cuda_ipc`` group is built fails the build after the gloo
+    group started: left behind, it refused every later group of this lane (no restart
+    either: the actor lives), and the exchange it mapped stayed open."""
+    mp.spawn(half_built_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    report = json.loads((tmp_path / "half0.json").read_text())
+    assert report == {"create": "RuntimeError", "initialized": False, "files_left": []}, report

@@ -52,10 +52,15 @@ def test_prefill_chunks_prefix_reuse_and_decode_equal_transformers(make_client, 
     c = make_client(cp_size=cp, num_pages_per_lane=40, model=hf_llama)
     rng = np.random.default_rng(cp)
     prompt = rng.integers(0, VOCAB, size=45)
-    res = c.prefill("whole", prompt)
+    res = c.prefill("whole", prompt, mode="pass_kv")
     assert res.logits.shape == (VOCAB,) and res.logits.dtype == np.float32
     assert_close(res.logits, hf_logits(hf_llama, prompt))
     assert (cp == 1) == (res.allocation.page_owners is None)
+    # pass_kv, no prefix: in every layer each lane receives the others' new K/V (fp32).
+    cfg = hf_llama.config
+    kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    want = cfg.num_hidden_layers * (cp - 1) * len(prompt) * kv_row
+    assert sum(res.lane_exchange_bytes) == want, res.lane_exchange_bytes
     # Chunked prefill: each chunk's last-token logits.
     seq = np.empty(0, dtype=np.int64)
     for n in (13, 9, 11):

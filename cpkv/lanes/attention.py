@@ -227,6 +227,7 @@ class CPAttention:
             ``None`` when the mode was fixed.
         exchange_bytes: payload bytes this lane received from the other lanes in the last
             call (all collectives; all-gather padding not counted).
+        total_exchange_bytes: the same over every call (a step's layers).
 
     Raises:
         ValueError: unknown mode, or a plan that does not match the group.
@@ -245,6 +246,7 @@ class CPAttention:
         self.last_mode: str | None = None
         self.last_costs: dict[str, float] | None = None
         self.exchange_bytes = 0
+        self.total_exchange_bytes = 0
         self._device_plans: dict[torch.device, _DevicePlan] = {}
         self._auto: dict[tuple[int, ...], tuple[str, dict[str, float]]] = {}
         # One lane and no cached prefix: each request's keys are exactly its new tokens, in
@@ -491,6 +493,22 @@ class CPAttention:
         # hold all their keys up to this step, since a page holds only its own lane's tokens.
         kernels.store_kv(k.contiguous(), v.contiguous(), k_shard, v_shard, dp.my_local_slots)
         # (2) exchange and attend.
+        out = self._exchange_and_attend(dp, k_shard, v_shard, q, k, v, sm_scale)
+        self.total_exchange_bytes += self.exchange_bytes
+        return out
+
+    __call__ = forward
+
+    def _exchange_and_attend(
+        self,
+        dp: _DevicePlan,
+        k_shard: torch.Tensor,
+        v_shard: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sm_scale: float,
+    ) -> torch.Tensor:
         mode = self._decide(q, k)
         self.last_mode = mode
         if self._dense:
@@ -502,5 +520,3 @@ class CPAttention:
         if outs.shape[0] == 1:
             return outs[0]
         return kernels.merge_attn_states(outs, lses)[0]
-
-    __call__ = forward

@@ -245,6 +245,27 @@ class LaneGroup:
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
+        try:
+            return cls._build_ipc(rank, world_size, store, generation, device, timeout_s, adaptor)
+        except BaseException:
+            # NOTE: a failed create leaves the process as it found it (a peer that died
+            # meanwhile fails the agreement): else no later group could start here.
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+
+    @classmethod
+    def _build_ipc(
+        cls,
+        rank: int,
+        world_size: int,
+        store: dist.Store,
+        generation: str,
+        device: torch.device,
+        timeout_s: float,
+        adaptor: Any,
+    ) -> LaneGroup:
+        """:meth:`_create_ipc` past the gloo group's start; closes its exchange if it fails."""
         prefix = f"cpkv/ipc/{generation}"
         if adaptor is None:
             from cpkv.lanes.ipc_device import CudaIpcDevice
@@ -257,11 +278,16 @@ class LaneGroup:
             exchange = IpcExchange(rank, world_size, store, prefix, adaptor, timeout_s)
         except Exception as e:  # any failure to map a peer: the group falls back
             why = f"{type(e).__name__}: {e}"
-        # NOTE: every lane must take the same road, so they agree (the worst wins).
-        ok = torch.tensor([1 if exchange is not None else 0])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if int(ok) == 1:
-            return cls(rank, world_size, "cuda_ipc", generation, device, store, exchange)
+        try:
+            # NOTE: every lane must take the same road, so they agree (the worst wins).
+            ok = torch.tensor([1 if exchange is not None else 0])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if int(ok) == 1:
+                return cls(rank, world_size, "cuda_ipc", generation, device, store, exchange)
+        except BaseException:
+            if exchange is not None:
+                exchange.close()
+            raise
         if exchange is not None:
             exchange.close()
         uuids = [store.get(f"{prefix}/uuid/{r}").decode() for r in range(world_size)]

@@ -217,7 +217,7 @@ class LaneWorker:
             wait_s=self.group.take_wait_seconds(),
             attention_s=self._attention_clock.take(),
             mode=attn.last_mode,
-            exchange_bytes=int(attn.exchange_bytes),
+            exchange_bytes=int(attn.total_exchange_bytes),
             logits=logits,
             out=out,
             tokens=tokens,
