@@ -115,8 +115,9 @@ def connect(
             from inside a Ray actor or task, which then gets a client of its own).
         cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len: the
             pool (see :class:`cpkv.CPConfig`).
-        num_gpus_per_lane: GPUs per lane; default 1, or ``1 / cp_size`` packed on
-            the one GPU of a single-GPU machine.
+        num_gpus_per_lane: GPUs per lane; default 1 where the cluster has at least
+            ``cp_size`` GPUs, else its GPUs shared out (``GPUs / cp_size``, lanes packed),
+            and 0 (CPU lanes) where it has none.
         num_cpus_per_lane: logical CPUs each lane reserves.
         strategy: ``STRICT_PACK`` (default), ``PACK``, ``SPREAD`` or ``STRICT_SPREAD``.
         name: the coordinator's actor name; an existing one is attached to (a client that
@@ -135,15 +136,17 @@ def connect(
             128, ``bfloat16``), an existing pool's own when attaching; one named must be
             the existing pool's.
         model: run this model's prefill and decode on the lanes: a transformers
-            Llama-family ``*ForCausalLM`` instance (its weights are put in Ray's object
-            store once), a checkpoint directory every lane can read (``config.json`` +
+            Llama-family ``*ForCausalLM`` instance (written once to a temporary checkpoint
+            that every local lane reads; on several machines pass a checkpoint directory
+            they share), a checkpoint directory every lane can read (``config.json`` +
             ``*.safetensors``), a :class:`cpkv.models.LlamaModel`, or a
             :class:`cpkv.models.ModelConfig` (random weights from ``model_seed``, drawn
             on every lane alike).
         model_seed: the seed of random weights for a ``ModelConfig``.
         gpu_memory_utilization: size each lane's pages from its device's memory (this
             fraction of it, less what the weights use and an activation reserve) instead of
-            ``num_pages_per_lane``; the smallest lane sets the pool's size.
+            ``num_pages_per_lane``; lanes packed on one GPU take their GPU fraction each,
+            CPU lanes an equal part of their host's; the smallest lane sets the pool's size.
         attention_mode: the exchange of CP attention steps: ``auto`` (chosen per step by
             measured cost), ``pass_q`` or ``pass_kv``.
         owner_split: ``zigzag`` (default) or ``contiguous``, an ablation of the owner plan.
@@ -170,7 +173,11 @@ def connect(
 
     Raises:
         InvalidRequestError: bad sizes, or an existing coordinator of another shape.
-        TimeoutError: the lanes could not be placed in time.
+        TypeError: a ``model`` of a kind cpkv does not run.
+        ValueError: a model config cpkv refuses (a sliding window).
+        RequestTimeoutError, CoordinatorUnavailableError: an existing coordinator did not
+            answer.
+        TimeoutError: the lanes were not placed or started within ``start_timeout_s``.
     """
     check_mode(attention_mode, "attention_mode")
     heartbeat_s = check_float("heartbeat_s", heartbeat_s)
@@ -929,7 +936,7 @@ class CPKVClient:
         call_id: Hashable | None = None,
     ) -> np.ndarray:
         """:meth:`decode`, answering each request's greedy next token: the lanes take the
-        argmax, so only ids come back (a 1B model's logits are 0.5 MB a row).
+        argmax, so only ids come back (a 1B model's logits are 256 KB a row in bf16).
 
         Args:
             rids: live requests.

@@ -124,3 +124,19 @@ def test_two_pools_on_the_embedded_ray_and_the_last_one_stops_it(tmp_path):
         "ray after b: False",
         "ray after b again: False",
     ], out.stdout
+
+
+def test_lanes_on_one_host_split_its_memory_and_packed_gpu_lanes_their_gpu():
+    """``gpu_memory_utilization`` sizes each lane from its share: CPU lanes (logical GPUs or
+    none) each took the whole fraction of the host, together several times its memory."""
+    from cpkv.actors.pool import memory_shares
+
+    def lane(node: str, device: str) -> dict:
+        return {"node_id": node, "device": device}
+
+    cpu = [lane("a", "cpu"), lane("a", "cpu"), lane("a", "cpu"), lane("b", "cpu")]
+    assert memory_shares(cpu, 1.0) == [1 / 3, 1 / 3, 1 / 3, 1.0]
+    assert memory_shares(cpu, 0.0) == [1 / 3, 1 / 3, 1 / 3, 1.0]
+    packed = [lane("a", "cuda:0")] * 4
+    assert memory_shares(packed, 0.25) == [0.25] * 4
+    assert memory_shares([lane("a", "cuda:0"), lane("b", "cuda:0")], 1.0) == [1.0, 1.0]

@@ -40,8 +40,8 @@ class LaneOptions:
 
     Attributes:
         num_gpus_per_lane: GPUs a lane takes (fractional packs lanes on one GPU; 0 runs lanes
-            without a GPU); ``None``: 1, or ``1 / cp_size`` packed on the one GPU of a
-            single-GPU machine.
+            without a GPU); ``None``: 1 where the cluster has at least ``cp_size`` GPUs,
+            else ``GPUs / cp_size`` (packed), 0 where it has none.
         num_cpus_per_lane: logical CPUs a lane reserves.
         strategy: placement-group strategy, one of :data:`STRATEGIES`.
         start_timeout_s: how long the lanes may take to be placed and started (their
@@ -436,9 +436,13 @@ def _size_from_memory(
     config: CPConfig, lanes: list, num_gpus_per_lane: float, options: LaneOptions
 ) -> CPConfig:
     """``config`` with the pages the smallest lane's free memory holds."""
-    share = min(1.0, num_gpus_per_lane) if num_gpus_per_lane else 1.0 / config.cp_size
+    infos = ray.get([lane.info.remote() for lane in lanes], timeout=options.start_timeout_s)
+    shares = memory_shares(infos, num_gpus_per_lane)
     caps = ray.get(
-        [lane.kv_capacity.remote(options.gpu_memory_utilization, share) for lane in lanes],
+        [
+            lane.kv_capacity.remote(options.gpu_memory_utilization, share)
+            for lane, share in zip(lanes, shares, strict=True)
+        ],
         timeout=options.start_timeout_s,
     )
     if min(caps) < 2:
@@ -447,6 +451,21 @@ def _size_from_memory(
             f"{min(caps)} pages on the smallest lane (per lane: {caps})"
         )
     return dataclasses.replace(config, num_pages_per_lane=min(caps))
+
+
+def memory_shares(infos: list[dict], num_gpus_per_lane: float) -> list[float]:
+    """Each lane's share of its device's memory: its GPU fraction on a GPU, and on a host
+    (CPU lanes, logical GPUs or none) one part of as many as that node has CPU lanes."""
+    on_cpu = [not info["device"].startswith("cuda") for info in infos]
+    per_node: dict[str, int] = {}
+    for info, cpu in zip(infos, on_cpu, strict=True):
+        if cpu:
+            per_node[info["node_id"]] = per_node.get(info["node_id"], 0) + 1
+    gpu_share = min(1.0, num_gpus_per_lane) if num_gpus_per_lane else 1.0
+    return [
+        1.0 / per_node[info["node_id"]] if cpu else gpu_share
+        for info, cpu in zip(infos, on_cpu, strict=True)
+    ]
 
 
 def _remove(lanes: list, group) -> None:

@@ -1,6 +1,6 @@
 """The coordinator as plain Python: the allocator's owner behind calls, leases and a reply
 cache (coordinator), its ordered line to the lanes (channel), the lanes' table, group and
-recovery (supervisor), the lanes' collective backend (backend). The Ray actor
+recovery (supervisor); the lanes' collective backend is chosen by cpkv.core.backend. The Ray actor
 (cpkv.actors.coordinator) only wraps it."""
 
 from cpkv.coordinator.coordinator import Coordinator

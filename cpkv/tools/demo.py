@@ -458,9 +458,9 @@ def _run(client, ref: Reference, cfg: DemoConfig, tol: float, out, t0: float) ->
     bar.close()
     serve_s = time.monotonic() - t1
     tally = serve.tally
+    report = client.check()  # first: it sends the page moves still waiting to the lanes
     stats = client.stats()
     lanes = client.lane_info()
-    report = client.check()
     total = stats["num_pages_per_lane"]
     every_page_home = all(
         u == 0 and f + c + r == total
