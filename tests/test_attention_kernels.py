@@ -375,23 +375,26 @@ def test_paged_attention_strided_queries():
 # ---------------------------------------------------------------------------------------------
 
 
-def tma_tiles(block_m: int, block_n: int, heads: int, heads_first: bool = False) -> dict:
+def tma_tiles(
+    block_m: int, block_n: int, heads: int, heads_first: bool = False, pairs: bool = False
+) -> dict:
     """Every TMA config replaced by small tiles (the interpreter's cost grows with them)."""
     cfg = tma_mod.TmaConfig(
-        block_m, block_n, heads, num_warps=4, num_stages=2, heads_first=heads_first
+        block_m, block_n, heads, 4, 2, heads_first=heads_first, pair_tiles=pairs
     )
     return {d: cfg for d in tma_mod.CONFIGS}
 
 
 TMA_TILINGS = {
-    "m16-n16-heads-first": (16, 16, 1, True),  # 2-4 tiles a page; grid (heads, blocks)
+    # 2-4 tiles a page, two a softmax step (pairs across pages too); grid (heads, blocks)
+    "m16-n16-pairs-heads-first": (16, 16, 1, True, True),
     "m32-n64-2heads": (32, 64, 2),  # page 32: the tile cut to the page; 2 GQA heads a program
 }
 
 
 # Each tiling with its own dtype (as DTYPE_TILINGS): every layout meets both at half the cost.
 TMA_DTYPE_TILINGS = [
-    pytest.param(torch.float16, "m16-n16-heads-first", id="fp16-m16-n16-heads-first"),
+    pytest.param(torch.float16, "m16-n16-pairs-heads-first", id="fp16-m16-n16-pairs-heads-first"),
     pytest.param(torch.bfloat16, "m32-n64-2heads", id="bf16-m32-n64-2heads"),
 ]
 

@@ -48,6 +48,10 @@ class TmaConfig:
         warp_specialize: ask Triton to split producer and consumer warps in the key loops.
         heads_first: order the grid head groups first, so every head's heaviest query block
             starts in the first wave (else each head's blocks run heaviest first in turn).
+        pair_tiles: in the loop over fully visible pages, two key tiles (two descriptor
+            loads, two pages when the tile is the page) share one softmax step: one row max,
+            one rescale of the output per ``2 * block_n`` keys (a tile never spans pages, so
+            this is how a page of 64 gets 128-key steps).
     """
 
     block_m: int
@@ -57,6 +61,7 @@ class TmaConfig:
     num_stages: int
     warp_specialize: bool = False
     heads_first: bool = False
+    pair_tiles: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "heads_per_program", "num_warps"):
@@ -116,6 +121,7 @@ def config_for(head_dim: int, page_size: int, group: int, max_q_len: int) -> Tma
         num_stages=cfg.num_stages,
         warp_specialize=cfg.warp_specialize,
         heads_first=cfg.heads_first,
+        pair_tiles=cfg.pair_tiles,
     )
 
 
@@ -216,6 +222,52 @@ if HAS_TRITON:
         return acc, l_i, m_new
 
     @triton.jit
+    def _tma_pair_update(
+        acc,
+        l_i,
+        m_i,
+        q,
+        row0,  # the first tile's first key row; the second tile starts BLOCK_N rows later
+        qk_scale,
+        page_table_ptr,
+        k_desc,
+        v_desc,
+        kv_col,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        # Two key tiles of full pages every query sees, one online-softmax step for both (as
+        # softmax_tile's unmasked branch over 2 * BLOCK_N keys). NOTE: each tile lies in one
+        # page, as in _tma_tile_update; the two may be in different pages.
+        row1 = row0 + BLOCK_N
+        y0 = tl.load(page_table_ptr + row0 // PAGE_SIZE).to(tl.int32) * PAGE_SIZE
+        y1 = tl.load(page_table_ptr + row1 // PAGE_SIZE).to(tl.int32) * PAGE_SIZE
+        y0 += row0 % PAGE_SIZE
+        y1 += row1 % PAGE_SIZE
+        k0 = k_desc.load([y0, kv_col])
+        k1 = k_desc.load([y1, kv_col])
+        if UPCAST:
+            k0 = k0.to(tl.float32)
+            k1 = k1.to(tl.float32)
+        qk0 = tl.dot(q, k0.T)
+        qk1 = tl.dot(q, k1.T)
+        m_new = tl.maximum(m_i, tl.maximum(tl.max(qk0, 1), tl.max(qk1, 1)) * qk_scale)
+        p0 = tl.math.exp2(qk0 * qk_scale - m_new[:, None])
+        p1 = tl.math.exp2(qk1 * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1)
+        v0 = v_desc.load([y0, kv_col])
+        v1 = v_desc.load([y1, kv_col])
+        if UPCAST:
+            v0 = v0.to(tl.float32)
+            v1 = v1.to(tl.float32)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p0.to(v0.dtype), v0, acc)
+        acc = tl.dot(p1.to(v1.dtype), v1, acc)
+        return acc, l_i, m_new
+
+    @triton.jit
     def _paged_attention_tma_kernel(
         q_ptr,  # [Tq, Hq, D], unit stride on D
         q_pos_ptr,  # [Tq] int64
@@ -244,6 +296,7 @@ if HAS_TRITON:
         SCAN: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
         HEADS_FIRST: tl.constexpr,  # grid (head group, query block), else the other way round
+        PAIR_TILES: tl.constexpr,  # two key tiles a softmax step over fully visible pages
         UPCAST: tl.constexpr,  # run the dots on fp32 copies of the tiles (interpreter + bf16)
     ):
         # Grid and walk as the pointer kernel's: (query block, group of HP query heads); first
@@ -288,12 +341,23 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         # NOTE: rows in [row_lo, row_full) are slots of full pages every query here sees.
-        for row0 in tl.range(row_lo, row_full, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-            acc, l_i, m_i = _tma_tile_update(
-                acc, l_i, m_i, q, q_pos, row0, qk_scale, page_table_ptr, page_pos_ptr,
-                page_len_ptr, k_desc, v_desc, kv_col,
-                MASK=False, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST,
-            )  # fmt: skip
+        if PAIR_TILES:
+            # Whole pairs of tiles here; an odd last tile joins the masked loop (its mask
+            # passes every key: the same result, one tile's mask the dearer).
+            row_pairs = row_lo + (row_full - row_lo) // (2 * BLOCK_N) * (2 * BLOCK_N)
+            for row0 in tl.range(row_lo, row_pairs, 2 * BLOCK_N):
+                acc, l_i, m_i = _tma_pair_update(
+                    acc, l_i, m_i, q, row0, qk_scale, page_table_ptr, k_desc, v_desc, kv_col,
+                    PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST,
+                )  # fmt: skip
+            row_full = row_pairs
+        else:
+            for row0 in tl.range(row_lo, row_full, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+                acc, l_i, m_i = _tma_tile_update(
+                    acc, l_i, m_i, q, q_pos, row0, qk_scale, page_table_ptr, page_pos_ptr,
+                    page_len_ptr, k_desc, v_desc, kv_col,
+                    MASK=False, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST,
+                )  # fmt: skip
         for row0 in tl.range(row_full, row_hi, BLOCK_N):
             acc, l_i, m_i = _tma_tile_update(
                 acc, l_i, m_i, q, q_pos, row0, qk_scale, page_table_ptr, page_pos_ptr,
@@ -364,6 +428,7 @@ def launch(
         SCAN=SCAN_BLOCK,
         WARP_SPECIALIZE=cfg.warp_specialize,
         HEADS_FIRST=heads_first,
+        PAIR_TILES=cfg.pair_tiles,
         UPCAST=upcast,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
