@@ -55,6 +55,7 @@ from cpkv.errors import (
     RequestTimeoutError,
     StaleDigestError,
     StepFailedError,
+    UnknownRequestError,
 )
 from cpkv.lane_io import LaneIO, actor_death
 from cpkv.results import PrefillResult, decode_output, decode_samples, prefill_results
@@ -397,6 +398,19 @@ class CPKVClient:
         """True when this client created the coordinator and lanes (shutdown stops them)."""
         return self._pool.created
 
+    def _check_open(self) -> None:
+        """Refuse a call after :meth:`shutdown` (on a handle of a stopped Ray it would start
+        a new local Ray, then fail with Ray's own error)."""
+        if self._closed:
+            raise InvalidRequestError(
+                "this client was shut down: cpkv.connect() again to use the pool"
+            )
+
+    def _open_coord(self):
+        """The coordinator's handle, once :meth:`_check_open` passed."""
+        self._check_open()
+        return self._coord
+
     # ------------------------------------------------------------------- RPC
     # NOTE: a coordinator call is written once, as a generator that yields ``(ref, what)``
     # and is sent the answer (or thrown the error, already cpkv's); :meth:`_run` waits with
@@ -456,6 +470,7 @@ class CPKVClient:
         for attempt in range(retries + 1):
             call = (self._epoch, self.client_id, call_id, *args)
             packed = method in PACKED_CALLS
+            self._check_open()
             ref = getattr(self._coord, method).remote(*((pack(call),) if packed else call))
             try:
                 return (yield from self._answer(ref, what, fenced, packed))
@@ -501,7 +516,7 @@ class CPKVClient:
     def _refresh_fence(self) -> None:
         """Have the coordinator send every page move it decided so far; take them as the
         fence."""
-        self._merge_fence(self._get(self._coord.lane_fence.remote(), "fence"), waiting=False)
+        self._merge_fence(self._get(self._open_coord().lane_fence.remote(), "fence"), waiting=False)
 
     def _translate(self, e: Exception, what: str) -> Exception:
         """Ray's timeout and actor errors as cpkv's; anything else unchanged."""
@@ -803,9 +818,13 @@ class CPKVClient:
         return await self._arun(self._free(rid, cache, committed_len, call_id))
 
     def _free(self, rid, cache, committed_len, call_id) -> _Call:
-        out = yield from self._call(
-            "free", rid, bool(cache), committed_len, what="free", call_id=call_id
-        )
+        try:
+            out = yield from self._call(
+                "free", rid, bool(cache), committed_len, what="free", call_id=call_id
+            )
+        except UnknownRequestError:  # the pool holds none (a free that timed out took effect)
+            self._forget([rid])
+            raise
         self._forget([rid])
         return out
 
@@ -855,7 +874,7 @@ class CPKVClient:
         """
         if deadline_s is not None:
             check_float("deadline_s", deadline_s)
-        _check_greedy(greedy, probe)
+        greedy = _check_greedy(greedy, probe)
         rid, tokens = self._extend_args(rid, token_ids, cache_salt, step=probe is None)
         mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
@@ -883,7 +902,7 @@ class CPKVClient:
     ) -> list[PrefillResult]:
         """Prefill several requests in one step (each sequence split by its own plan);
         ``greedy`` as :meth:`prefill`'s."""
-        _check_greedy(greedy, probe)
+        greedy = _check_greedy(greedy, probe)
         checked = self._batch_args(items, cache_salt, "prefill_batch", step=probe is None)
         mode = self._step_args(mode, probe)
         call_id = self._call_id(call_id)
@@ -891,8 +910,11 @@ class CPKVClient:
             out, call_id = self._step(
                 "prefill_batch", checked, cache_salt, mode, probe, greedy, call_id=call_id
             )
-        except StepFailedError:  # the requests live on, failed, until freed
-            self._rids.update(rid for rid, _ in checked)
+        except StepFailedError as e:  # the requests it names live on, failed, until freed
+            rids = [rid for rid, _ in checked]
+            # NOTE: a step that failed names every rid (as a tuple, or its one rid); a batch
+            # refused before it allocated anything names the one already failed rid in it.
+            self._rids.update(rids if e.rid == tuple(rids) else [r for r in rids if r == e.rid])
             raise
         self._rids.update(rid for rid, _ in checked)
         for rid, _ in checked:
@@ -985,17 +1007,19 @@ class CPKVClient:
         token_ids,
         max_new_tokens: int,
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         cache_salt: str | bytes | None = None,
     ) -> list[int]:
         """Greedy generation: prefill ``token_ids`` then decode; the new token ids.
 
-        Stops after ``max_new_tokens`` or at ``eos_token_id``. The request stays live
-        (free it when done).
+        Stops after ``max_new_tokens`` or at a stop token: ``eos_token_id`` is one id or
+        several (transformers' ``generation_config.eos_token_id`` is often a list). The
+        request stays live (free it when done).
         """
         check_int("max_new_tokens", max_new_tokens, minimum=1)
+        stop = _stop_tokens(eos_token_id)
         out = [self.prefill(rid, token_ids, cache_salt=cache_salt, greedy=True).next_token]
-        while len(out) < max_new_tokens and out[-1] != eos_token_id:
+        while len(out) < max_new_tokens and out[-1] not in stop:
             out.append(int(self.decode_greedy([rid], [out[-1]])[0]))
         return out
 
@@ -1123,42 +1147,46 @@ class CPKVClient:
                 pages are read-only, other jobs' pages out of reach).
             LaneUnavailableError: a lane died; its requests are lost.
         """
+        self._check_open()
         self._io.store_kv(slots, k, v, layer)
 
     def gather_kv(self, slots, layer: int = 0):
         """Read back K/V ``[T, heads, head_dim]`` at global slots (CPU tensors)."""
+        self._check_open()
         return self._io.gather_kv(slots, layer)
 
     # ---------------------------------------------------------------- status
     def stats(self, lanes: bool = False) -> dict:
         """The coordinator's per-lane counts and counters; ``lanes`` adds each lane's own."""
-        out = self._get(self._coord.stats.remote(), "stats")
+        out = self._get(self._open_coord().stats.remote(), "stats")
         if lanes:
             out["lanes"] = self.lane_info()
         return out
 
     async def stats_async(self) -> dict:
         """Async twin of :meth:`stats`."""
-        return await self._arun(self._answer(self._coord.stats.remote(), "stats"))
+        return await self._arun(self._answer(self._open_coord().stats.remote(), "stats"))
 
     def check(self) -> dict:
         """Core invariants and each lane's count against the mirror: ``{"ok", "problems"}``."""
-        return self._get(self._coord.check.remote(), "check")
+        return self._get(self._open_coord().check.remote(), "check")
 
     def reset(self) -> None:
         """Drop every request and cached page of the pool (all clients'); lanes emptied."""
-        self._get(self._coord.reset.remote(), "reset")
+        self._get(self._open_coord().reset.remote(), "reset")
         self._rids.clear()
         self._held.clear()
 
     def lane_info(self) -> list[dict]:
         """Each lane's node, device, GPU ids and own page counts."""
+        self._check_open()
         return self._io.wait_lanes(
             [(r, lane.info.remote()) for r, lane in enumerate(self.lanes)], "lane_info"
         )
 
     def ping_lanes(self) -> None:
         """A bare parallel no-op round to every lane (the benchmarks' baseline)."""
+        self._check_open()
         self._io.wait_lanes([(r, lane.ping.remote()) for r, lane in enumerate(self.lanes)], "ping")
 
     @property
@@ -1230,6 +1258,16 @@ def _with_backoff(
             backoff = min(max_backoff_s, backoff * 2)
 
 
+def _stop_tokens(eos_token_id: object) -> frozenset[int]:
+    """``generate``'s stop tokens: none, one id or a collection of ids."""
+    if eos_token_id is None:
+        return frozenset()
+    ids = (
+        eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) else [eos_token_id]
+    )
+    return frozenset(check_int("eos_token_id", t, minimum=0) for t in ids)
+
+
 def _aborted_last(error: tuple[int, BaseException]) -> tuple[bool, int]:
     """Sort key of a step's lane errors: a lane's own failure before the lanes it aborted."""
     return isinstance(error[1], StepAborted), error[0]
@@ -1286,8 +1324,10 @@ def _check_lease(lease_s: object) -> float | None:
     return lease_s
 
 
-def _check_greedy(greedy: object, probe: object) -> None:
-    if not isinstance(greedy, bool):
+def _check_greedy(greedy: object, probe: object) -> bool:
+    """``greedy`` as a bool (a numpy bool too), checked against ``probe``."""
+    if not isinstance(greedy, (bool, np.bool_)):
         raise InvalidRequestError(f"greedy={greedy!r} must be True or False")
     if greedy and probe is not None:
         raise InvalidRequestError("greedy=True needs the pool's model, not a probe")
+    return bool(greedy)

@@ -18,6 +18,7 @@ __all__ = [
     "RequestTimeoutError",
     "StaleDigestError",
     "StepFailedError",
+    "UnknownRequestError",
 ]
 
 
@@ -27,6 +28,10 @@ class CPKVError(Exception):
 
 class InvalidRequestError(CPKVError, ValueError):
     """Bad input: the message names the offending value; state is unchanged."""
+
+
+class UnknownRequestError(InvalidRequestError):
+    """No live request has this rid (never allocated, or freed already): nothing changed."""
 
 
 class StaleDigestError(InvalidRequestError):

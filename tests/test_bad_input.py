@@ -156,6 +156,18 @@ def test_double_free_and_decode_after_free(client):
     assert state(client.stats()) == state(before)
 
 
+def test_a_free_answered_unknown_forgets_the_rid(client):
+    """A free whose answer was lost (a timeout) took effect: the next free of the rid is
+    answered "unknown" and the client forgets it, instead of holding it for good."""
+    from cpkv.errors import UnknownRequestError
+
+    client._run(client._call("free", "live", False, None, what="free"))  # its answer "lost"
+    assert "live" in client.live_rids  # as after the timed-out call
+    with pytest.raises(UnknownRequestError, match="live"):
+        client.free("live")
+    assert "live" not in client.live_rids
+
+
 CONNECT = [
     ("cp_size 0", dict(cp_size=0), "cp_size=0"),
     ("page_size 0", dict(page_size=0), "page_size=0"),

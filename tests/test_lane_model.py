@@ -110,6 +110,11 @@ def test_generate_equals_transformers_greedy(make_client, hf_llama, cp):
         )[0, len(prompt) :].tolist()
     assert got == want
     c.free("g")
+    # Stop tokens as transformers' generation_config gives them: a list (Llama 3's is).
+    stop = [want[2], *(t for t in range(VOCAB) if t not in want)][:2]
+    first = want.index(want[2])  # stops at the first stop token it produces
+    assert c.generate("s", prompt, max_new_tokens=8, eos_token_id=stop) == want[: first + 1]
+    c.free("s")
 
 
 @pytest.mark.parametrize("cp", [1, 3], ids=lambda c: f"cp{c}", scope="module")
@@ -129,7 +134,7 @@ def test_a_greedy_prefill_answers_the_argmax_of_transformers_logits(make_client,
     assert plain.next_token is None and plain.logits is not None
     # A batch: each request's token from whichever lane computed its last token.
     batch = {f"b{i}": rng.integers(0, VOCAB, size=n) for i, n in enumerate((5, 19, 12))}
-    got = c.prefill_batch(list(batch.items()), greedy=True)
+    got = c.prefill_batch(list(batch.items()), greedy=np.True_)  # a numpy bool as free's
     assert [r.next_token for r in got] == [
         int(np.argmax(hf_logits(hf_llama, toks))) for toks in batch.values()
     ]

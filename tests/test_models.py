@@ -428,6 +428,76 @@ def test_from_dir_equals_from_hf(tmp_path, prompt, shard):
     assert load_model(from_dir, dtype=torch.float16).dtype == torch.float16
 
 
+def test_a_legacy_rope_scaling_beside_rope_parameters_wins_as_in_transformers(tmp_path, prompt):
+    """transformers 5 writes rope_parameters; a rope_scaling block added to that config (the
+    old way to stretch the context) replaces it on load: read the same, or the logits differ."""
+    build_hf("llama", seed=3).save_pretrained(tmp_path, safe_serialization=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" in cfg
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    model = LlamaModel.from_dir(tmp_path)
+    assert model.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    pos = torch.arange(200, 200 + prompt.numel())  # far enough for the scaling to show
+    out = model.logits(model.forward(prompt, pos, _full_attend(model)))
+    assert rel_err(out, hf_logits(hf.eval(), prompt, 200)) < TOL
+
+
+@pytest.mark.parametrize(
+    "biases",
+    [
+        {},
+        {"attention_bias": True, "o_proj_bias": True, "mlp_bias": True},
+        {"attention_bias": True, "o_proj_bias": False},  # Qwen2's
+        {"mlp_bias": True},
+    ],
+    ids=["none", "all", "qkv-only", "mlp-only"],
+)
+def test_a_model_handed_to_connect_loads_back_on_the_lanes(biases, prompt):
+    from cpkv.models.spec import ModelSpec
+
+    model = LlamaModel.random(ModelConfig.tiny(**biases), seed=0)
+    spec = ModelSpec.from_source(model)  # what connect() does; every lane then loads it
+    try:
+        loaded = spec.load("cpu")
+        assert loaded.config == model.config
+        pos = torch.arange(prompt.numel())
+        want = model.logits(model.forward(prompt, pos, _full_attend(model)))
+        assert torch.equal(loaded.logits(loaded.forward(prompt, pos, _full_attend(loaded))), want)
+    finally:
+        spec.remove()
+
+
+@pytest.mark.parametrize(
+    "biases",
+    [
+        {"attention_bias": True, "o_proj_bias": False, "mlp_bias": True},
+        {"attention_bias": False, "o_proj_bias": True},
+    ],
+    ids=["qkv-and-mlp", "o-proj-only"],
+)
+def test_biases_no_config_json_can_say_are_refused_before_the_lanes_start(biases, tmp_path):
+    import tempfile
+
+    from cpkv.models.spec import ModelSpec
+
+    model = LlamaModel.random(ModelConfig.tiny(**biases), seed=0)
+    tempfile.tempdir = str(tmp_path)  # the checkpoint it began: removed again
+    try:
+        with pytest.raises(ValueError, match="biases"):
+            ModelSpec.from_source(model)
+    finally:
+        tempfile.tempdir = None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_base_model_without_its_lm_head_is_refused_by_type():
+    base = transformers.LlamaModel(transformers.LlamaConfig(**SHAPE))
+    with pytest.raises(TypeError, match="ForCausalLM"):
+        load_model(base)
+
+
 def test_from_dir_missing_weights(tmp_path):
     hf = build_hf("llama", seed=5)
     hf.save_pretrained(tmp_path, safe_serialization=True)

@@ -102,6 +102,11 @@ EMBEDDED = textwrap.dedent(
     print("ray after b:", ray.is_initialized())
     b.shutdown()  # a second time: does not start a Ray to stop the pool in again
     print("ray after b again:", ray.is_initialized())
+    for call in (lambda: b.free("x"), b.stats, lambda: b.gather_kv([0])):
+        try:  # refused at once, not a new local Ray and Ray's "Can't find actor"
+            call()
+        except InvalidRequestError as e:
+            print("used after shutdown:", "shut down" in str(e), ray.is_initialized())
     """
 )
 
@@ -123,6 +128,7 @@ def test_two_pools_on_the_embedded_ray_and_the_last_one_stops_it(tmp_path):
         "ray after a: True 0",
         "ray after b: False",
         "ray after b again: False",
+        *["used after shutdown: True False"] * 3,
     ], out.stdout
 
 

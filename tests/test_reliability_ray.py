@@ -77,6 +77,13 @@ def test_a_step_that_fails_on_one_lane_fails_on_all_at_once_and_poisons_nothing(
     else:
         with pytest.raises(StepFailedError):  # failed until freed
             c.prefill("bad", np.arange(n, n + 4), probe=probe)
+        # A batch holding it is refused before anything is allocated: its new rid is not
+        # this client's (free would answer "unknown rid" for good).
+        rows = tuple(torch.randn(4 + n, h, d) for h in (hq, hkv, hkv))
+        batch = [("bad", np.arange(n, n + 4)), ("fresh", np.arange(200, 200 + n))]
+        with pytest.raises(StepFailedError) as info:
+            c.prefill_batch(batch, probe=rows, mode="pass_kv")
+        assert info.value.rid == "bad" and "fresh" not in c.live_rids and "bad" in c.live_rids
         # Its page moves rode in the failed step calls: applied, so no lane was reset.
         assert c.stats()["lane_losses"] == []
     c.free("bad")  # cache=True, but the step wrote nothing: nothing is cached

@@ -12,7 +12,11 @@ from cpkv.core.layout import PageLayout
 from cpkv.core.page_hash import ChainState, PageHasher, TokenDigest
 from cpkv.core.prefix_cache import PrefixMatch
 from cpkv.core.validate import check_rid
-from cpkv.errors import InvalidRequestError, LaneUnavailableError, StaleDigestError
+from cpkv.errors import (
+    LaneUnavailableError,
+    StaleDigestError,
+    UnknownRequestError,
+)
 
 __all__ = ["Chunk", "Request", "RequestTable"]
 
@@ -242,7 +246,7 @@ class RequestTable:
         req = self._reqs.get(rid)
         if req is None:
             self.check_not_lost(rid)
-            raise InvalidRequestError(f"unknown rid={rid!r} (never allocated, or already freed)")
+            raise UnknownRequestError(f"unknown rid={rid!r} (never allocated, or already freed)")
         return req
 
     # ------------------------------------------------------------------- rows

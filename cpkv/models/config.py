@@ -305,7 +305,9 @@ class ModelConfig:
             head_dim = hidden_size // num_heads
         max_pos = d.get("max_position_embeddings") or defaults["max_position_embeddings"]
 
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        # NOTE: as transformers reads a config: a legacy rope_scaling block, when given,
+        # replaces rope_parameters whole (rope_theta then from the top level or the default).
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
         if not isinstance(rope, Mapping):
             raise ValueError(f"rope parameters {rope!r} must be a dict")
         rope = dict(rope)

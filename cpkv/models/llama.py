@@ -251,11 +251,18 @@ class LlamaModel:
             shared with the instance, not copied.
 
         Raises:
+            TypeError: not a ``*ForCausalLM`` (a base model's weights lack the ``model.``
+                prefix and its LM head).
             ValueError: an unsupported config or dtype, or weights that do not match it.
         """
         config = ModelConfig.from_hf(model.config)
         state = model.state_dict()
-        embed = state["model.embed_tokens.weight"]
+        embed = state.get("model.embed_tokens.weight")
+        if embed is None:
+            raise TypeError(
+                f"model={type(model).__name__}: expected a *ForCausalLM (its weights named "
+                "model.embed_tokens.weight, ...), not a base model without its LM head"
+            )
         target = torch_dtype(dtype if dtype is not None else embed.dtype)
         config = config.replace(dtype=str(target).removeprefix("torch."))
         return cls(config, state, embed.device if device is None else device)

@@ -79,8 +79,13 @@ class ModelSpec:
                 )
             source = LlamaModel.from_hf(source, device="cpu")
         path = tempfile.mkdtemp(prefix="cpkv-model-")
-        save_checkpoint(source, path)
-        return cls(source.config, path=path, owns_path=True)
+        spec = cls(source.config, path=path, owns_path=True)
+        try:
+            save_checkpoint(source, path)
+        except BaseException:
+            spec.remove()
+            raise
+        return spec
 
     def load(self, device: Any):
         """The model on ``device`` (a :class:`cpkv.models.LlamaModel`)."""
@@ -105,8 +110,18 @@ class ModelSpec:
 
 def hf_config_dict(config: ModelConfig) -> dict:
     """``config`` as a Hugging Face ``config.json`` (Llama, or Qwen2 when only q/k/v have
-    biases); :meth:`ModelConfig.from_dir` reads it back equal."""
+    biases); :meth:`ModelConfig.from_dir` reads it back equal.
+
+    Raises:
+        ValueError: biases neither family's config can say (Llama: o_proj's with q/k/v's;
+            Qwen2: q/k/v's alone), which the lanes could not load back.
+    """
     qkv_only = config.attention_bias and not config.o_proj_bias
+    if config.o_proj_bias != config.attention_bias and not (qkv_only and not config.mlp_bias):
+        raise ValueError(
+            f"attention_bias={config.attention_bias}, o_proj_bias={config.o_proj_bias}, "
+            f"mlp_bias={config.mlp_bias}: no Llama or Qwen2 config.json says these biases"
+        )
     out = {
         "model_type": "qwen2" if qkv_only else "llama",
         "architectures": ["Qwen2ForCausalLM" if qkv_only else "LlamaForCausalLM"],
