@@ -450,6 +450,10 @@ def test_tma_path_only_where_a_descriptor_fits(monkeypatch):
     assert not tma_mod.tma_supported(dev(q), dev(k))
     cfg = tma_mod.config_for(128, page_size=16, group=4, max_q_len=3)
     assert cfg.block_n <= 16 and cfg.block_m == 16
+    # D=64 pairs tiles where the page cut them (page 64: 128-key steps), not past its step.
+    assert tma_mod.config_for(64, page_size=64, group=4, max_q_len=4096).pair_tiles
+    assert not tma_mod.config_for(64, page_size=128, group=4, max_q_len=4096).pair_tiles
+    assert not tma_mod.config_for(128, page_size=64, group=4, max_q_len=4096).pair_tiles
     with pytest.raises(ValueError, match="power of two"):
         tma_mod.TmaConfig(96, 64, 1, 8, 3)
 

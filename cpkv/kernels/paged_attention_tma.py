@@ -51,7 +51,8 @@ class TmaConfig:
         pair_tiles: in the loop over fully visible pages, two key tiles (two descriptor
             loads, two pages when the tile is the page) share one softmax step: one row max,
             one rescale of the output per ``2 * block_n`` keys (a tile never spans pages, so
-            this is how a page of 64 gets 128-key steps).
+            this is how a page of 64 gets 128-key steps); :func:`config_for` keeps it only
+            where the page cut the tile to half ``block_n`` or less.
     """
 
     block_m: int
@@ -91,11 +92,18 @@ class TmaConfig:
 # - Triton's warp specialisation (tl.range(warp_specialize=True)): at 4 warps the pass fails
 #   inside Triton 3.6 (an assertion), at 8 warps it compiles and changes nothing. Loading the
 #   query tile by descriptor too (kept in shared memory) changed nothing either (500-517).
+# - Paired key tiles (pair_tiles: at page 64 the tile is the page, so the sweeps' "128-key"
+#   D=64 rows ran 64-key tiles), H100, 2026-12-07, against cuDNN in the same run
+#   (docs/gpu-run/hopper-attention/11-pair-tiles/h100-2026-12-07.txt): D=64 0.857 -> 0.881x at
+#   8k, 0.922 -> 0.939x at 32k, 0.935 -> 0.939x at 128k (3 stages: no better); D=128 2.5x
+#   slower (two 128x64 score tiles at 4 warps), so D=64 only.
 # - D=16 / 32 (tiny test models) and 256: not tuned.
 CONFIGS: dict[int, TmaConfig] = {
     16: TmaConfig(block_m=64, block_n=64, heads_per_program=1, num_warps=4, num_stages=2),
     32: TmaConfig(block_m=64, block_n=64, heads_per_program=1, num_warps=4, num_stages=2),
-    64: TmaConfig(block_m=64, block_n=128, heads_per_program=1, num_warps=4, num_stages=2),
+    64: TmaConfig(
+        block_m=64, block_n=128, heads_per_program=1, num_warps=4, num_stages=2, pair_tiles=True
+    ),
     128: TmaConfig(block_m=128, block_n=64, heads_per_program=1, num_warps=4, num_stages=3),
     256: TmaConfig(block_m=64, block_n=32, heads_per_program=1, num_warps=8, num_stages=2),
 }
@@ -113,15 +121,17 @@ def config_for(head_dim: int, page_size: int, group: int, max_q_len: int) -> Tma
     cfg = CONFIGS[head_dim]
     heads = _gcd_pow2(cfg.heads_per_program, group)
     block_m = min(cfg.block_m, max(16, next_power_of_2(max_q_len * heads)))
+    block_n = min(cfg.block_n, page_size)
     return TmaConfig(
         block_m=block_m,
-        block_n=min(cfg.block_n, page_size),
+        block_n=block_n,
         heads_per_program=min(heads, block_m),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         warp_specialize=cfg.warp_specialize,
         heads_first=cfg.heads_first,
-        pair_tiles=cfg.pair_tiles,
+        # Pairs give back the configured key step where the page cut the tile (no more).
+        pair_tiles=cfg.pair_tiles and 2 * block_n <= cfg.block_n,
     )
 
 
