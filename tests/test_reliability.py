@@ -433,6 +433,35 @@ def test_lanes_let_a_namespace_write_only_its_pages_and_read_cached_ones():
     assert shard.store_kv(np.array([2]), k, v, owner=5, fence=("g", 3)) == 1
 
 
+@pytest.mark.parametrize(
+    ("taken", "released", "cached", "match"),
+    [
+        ([4, 4], [], None, "twice"),
+        ([], [1, 1], None, "twice"),
+        ([-1], [], None, "outside"),
+        ([8], [], None, "outside"),
+        ([0], [], None, "outside"),
+        ([2, 4], [1], None, "taking held"),  # page 2 is held: the release of 1 went first
+        ([4], [3], None, "releasing free"),
+        ([], [], [5], "caching free"),
+    ],
+    ids=["take-twice", "release-twice", "negative", "past-end", "reserved", "held",
+         "release-free", "cache-free"],
+)  # fmt: skip
+def test_a_move_the_record_contradicts_is_refused_whole(taken, released, cached, match):
+    shard = LaneShard(0, 8, 2, KV, "cpu")
+    shard.reset("g")
+    shard.apply("g", 1, np.array([1, 2], np.int32), np.empty(0, np.int32), owner=5)
+    before = (shard._held.copy(), shard._owner.copy(), shard.num_held_pages)
+    as_pages = [None if c is None else np.array(c, np.int32) for c in (taken, released, cached)]
+    with pytest.raises(AssertionError, match=match):
+        shard.apply("g", 2, as_pages[0], as_pages[1], 5, as_pages[2])
+    assert (shard._held == before[0]).all() and (shard._owner == before[1]).all()
+    # Nothing of it was applied: the same move, corrected, still goes in as move 2.
+    shard.apply("g", 2, np.array([2, 3], np.int32), np.array([2], np.int32), owner=5)
+    assert shard.num_held_pages == before[2] + 1
+
+
 def test_moves_carry_the_owner_and_the_pages_that_went_to_the_cache():
     coord, lanes = make()
     coord.hello("a")

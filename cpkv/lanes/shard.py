@@ -140,21 +140,40 @@ class LaneShard:
             raise MoveOrderError(
                 f"lane {self.lane}: move {seq} arrived, expected {self._next_seq} (a move was lost)"
             )
+        self._check_move(taken, released, cached)
         if released.size:
-            assert self._held[released].all(), f"lane {self.lane}: releasing free pages"
             self._held[released] = False
             self._owner[released] = 0
         if taken.size:
-            assert (taken != 0).all(), f"lane {self.lane}: reserved page taken"
-            assert not self._held[taken].any(), f"lane {self.lane}: taking held pages"
             self._held[taken] = True
             self._owner[taken] = owner
         if cached is not None and cached.size:
-            assert self._held[cached].all(), f"lane {self.lane}: caching free pages"
             self._owner[cached] = CACHED
         self._next_seq += 1
         self.num_applied += 1
         return self._replies.put(seq, self.num_held_pages)
+
+    def _check_move(
+        self, taken: np.ndarray, released: np.ndarray, cached: np.ndarray | None
+    ) -> None:
+        """Assert the whole move against the record before any of it is applied (a move
+        refused halfway would leave the record neither before nor after it)."""
+        lane, n = self.lane, self.num_pages
+        for name, pages in (("taken", taken), ("released", released), ("cached", cached)):
+            if pages is None or not pages.size:
+                continue
+            # NOTE: page 0 is reserved; a negative id would index from the end.
+            assert ((pages > 0) & (pages < n)).all(), f"lane {lane}: {name} page outside [1, {n})"
+            assert np.unique(pages).size == pages.size, f"lane {lane}: a page {name} twice"
+        if released.size:
+            assert self._held[released].all(), f"lane {lane}: releasing free pages"
+        if taken.size:
+            # Released then taken in one move is fine: the release comes first.
+            busy = taken[self._held[taken]]
+            assert np.isin(busy, released).all(), f"lane {lane}: taking held pages"
+        if cached is not None and cached.size:
+            kept = self._held[cached] & ~np.isin(cached, released)
+            assert (kept | np.isin(cached, taken)).all(), f"lane {lane}: caching free pages"
 
     def apply_moves(self, moves: tuple[tuple, ...]) -> int:
         """Apply several moves (each ``apply``'s arguments) in order; pages held after them.
