@@ -1496,6 +1496,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         for client in ("c0", "c1", NO_CLIENT):
             self.coord.hello(client, None, SHARED)
         self.coord._ensure_group = lambda: "g"  # steps need no real lane group here
+        self.coord._group_is_current = lambda group: True
         assert self.coord.lane_states() == ["up"] * cp
         if leases:  # both clients hold leases from the start
             self.hello("c0", 1.0)

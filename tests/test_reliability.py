@@ -112,6 +112,7 @@ def make(clock=None, **kwargs) -> tuple[Coordinator, StepLanes]:
     )
     # Steps need a lane group: these lanes take steps without one.
     coord._ensure_group = lambda: "g"
+    coord._group_is_current = lambda group: True
     return coord, lanes
 
 
@@ -548,6 +549,40 @@ def test_a_hung_lane_is_killed_and_reset_and_renewals_never_wait_for_it():
     stats = coord.stats()
     assert stats["hung_lanes"] == 1 and stats["lane_states"] == ["up", "up"]
     assert coord.check()["ok"]
+
+
+def _lanes_restarting(coord) -> KVCapacityWaitError:
+    return coord._supervisor.unavailable("lanes [1] are restarting; no step can run")
+
+
+def test_a_step_retried_while_a_lane_restarts_gets_its_first_answer():
+    """A repeat of an answered step gets that answer, not a lane_unavailable wait: a wait
+    means "nothing happened", so the caller's backoff would send the step again, anew."""
+    coord, _lanes = make()
+    coord.hello("a")
+    first = prefill(coord, "a", "r", np.arange(1, 5), call_id="X")
+    coord._ensure_group = lambda: _lanes_restarting(coord)
+    again = prefill(coord, "a", "r", np.arange(1, 5), call_id="X")
+    assert again["allocations"] == first["allocations"]
+    assert coord._core.request_len(coord._key("a", "r")) == 4
+    with pytest.raises(KVCapacityWaitError, match="lane_unavailable"):  # a new call waits
+        prefill(coord, "a", "r", [5], call_id="Y")
+
+
+def test_a_step_whose_group_was_dropped_meanwhile_waits_and_fails_nothing():
+    """The group read before the call's own settle (which may find a lane lost or another
+    step failed, dropping it): the lanes left it, so a step sent for it would fail requests
+    that had nothing to do with either."""
+    coord, _lanes = make()
+    coord.hello("a")
+    prefill(coord, "a", "r", np.arange(1, 5))
+    coord._group_is_current = lambda group: False
+    before = coord.stats()
+    with pytest.raises(KVCapacityWaitError, match="lane group changed"):
+        ok(coord.decode(coord.epoch, "a", None, ["r"], np.array([7])))
+    assert coord.stats()["used"] == before["used"] and not coord._failed
+    coord._group_is_current = lambda group: True
+    ok(coord.decode(coord.epoch, "a", None, ["r"], np.array([7])))  # the next one runs
 
 
 def test_a_failed_or_lost_request_says_so_while_lanes_restart():

@@ -412,12 +412,25 @@ class Coordinator:
             return e
         with self._lock:
             self._settle_steps()  # a step that failed since: its group is rebuilt first
-        group = self._ensure_group()
+            # NOTE: a repeat of a call that was answered gets that answer from _call, whatever
+            # the lanes' state now (a lane_unavailable wait would have it sent again).
+            key = (client_id, call_id)
+            answered = call_id is not None and (
+                key in self._replies or self._replies.is_forgotten(key)
+            )
+        group = None if answered else self._ensure_group()
         if isinstance(group, CPKVError):
             # A request the step cannot continue says so before any wait for the lanes.
             return self._for_caller(self._request_error(client_id, op, requests)) or group
 
         def decide_and_submit() -> dict:
+            assert group is not None, "a step decided for a call that was answered"
+            if not self._group_is_current(group):
+                # Dropped since it was read (a lane lost, a step failed, while settling):
+                # the lanes left it; a step for it would fail requests it never touched.
+                raise self._request_error(client_id, op, requests) or self._supervisor.unavailable(
+                    "the lane group changed meanwhile (a lane lost or a step failed); retry"
+                )
             if op == "decode":
                 slots, keys, toks = self._decode(
                     client_id, requests, token_ids, step=True, probe=probe
@@ -717,6 +730,10 @@ class Coordinator:
     def _ensure_group(self) -> str | CPKVError:
         """The current lane group's id (the supervisor builds a stale one first)."""
         return self._supervisor.ensure_group(self._timeout_s)
+
+    def _group_is_current(self, group: str) -> bool:
+        """Whether the lanes are still in ``group`` (not dropped since it was read)."""
+        return self._supervisor.is_current_group(group)
 
     def renew_lease(self, client_id: str) -> bool:
         """Push the client's lease out; False when it has none (lapsed, or a new coordinator).

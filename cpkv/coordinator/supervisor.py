@@ -374,11 +374,17 @@ class LaneSupervisor:
                 gid = group_id(self._epoch, self._group_count)
                 for r in range(cp):
                     self._channel.submit(r, "init_group", gid, host, port, self._backend, timeout_s)
-                # NOTE: a group dropped while this one was built is stale already: its steps
-                # fail, and the next step builds another.
-                if self._group_drops == drops:
-                    self._group_id = gid
+                # NOTE: a group dropped while this one was built is stale already: the step
+                # that asked backs off (the next builds another) instead of failing.
+                if self._group_drops != drops:
+                    return self._unavailable("the lane group changed while it was built")
+                self._group_id = gid
                 return gid
+
+    def is_current_group(self, gid: str) -> bool:
+        """Whether ``gid`` is the lane group the lanes are in now (not dropped since)."""
+        with self._lock:
+            return self._group_id == gid
 
     def drop_group(self) -> None:
         """The lanes left the group (a step failed): the next step builds a new one."""
@@ -388,6 +394,10 @@ class LaneSupervisor:
     def _drop_group_locked(self) -> None:
         self._group_id = None
         self._group_drops += 1
+
+    def unavailable(self, message: str) -> KVCapacityWaitError:
+        """:meth:`_unavailable` for the coordinator's own checks."""
+        return self._unavailable(message)
 
     def _unavailable(self, message: str) -> KVCapacityWaitError:
         """A step cannot run until every lane serves: back off and retry."""
