@@ -51,6 +51,16 @@ def test_a_slot_abandoned_by_its_holder_is_lost_for_good():
         GraphSlots(-1)
 
 
+def test_a_slot_lost_with_a_lapsed_lease_comes_back_when_its_graph_is_torn_down():
+    """A client only paused past its lease: its slot was counted lost (its loop held a
+    thread), and its teardown after it resumed ends that loop: the slot is free again."""
+    slots = GraphSlots(2)
+    slots.claim("paused")
+    assert slots.abandon("paused") and slots.num_lost == 1
+    assert slots.release("paused") and (slots.num_lost, slots.num_free) == (0, 2)
+    assert not slots.release("paused")  # once
+
+
 def test_a_lease_closed_or_lapsed_holding_a_slot_loses_it_and_a_released_one_does_not():
     clock = Clock()
     coord, _ = make(clock, step_graphs=3)
@@ -312,6 +322,8 @@ def test_idle_graphs_are_torn_down_so_their_loops_stop_spinning_and_come_back(ma
         lambda: c._graph.num_idle_teardowns == 1 and c.stats()["compiled_graph_idle_teardowns"],
         timeout=60,
     )
+    # Its loop ended, so the slot went back: a client that dies idle takes none with it.
+    wait_for(lambda: c.stats()["step_graphs"] == 0, timeout=10)
     idle = _cpu_share(pids, 2.0)
     assert idle < 0.25, (busy, idle)  # cores, coordinator and lane together
     builds = (c._graph.num_builds, c.stats()["compiled_graph_builds"])

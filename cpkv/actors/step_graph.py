@@ -161,9 +161,14 @@ class StepGraph:
             teardown_quietly(graph)
             self.num_idle_teardowns += 1
             logger.info("step graph: idle for %.0fs; torn down", self.idle_s)
-            return self.idle_s
+            # NOTE: its loop ended: the slot goes back (the next build claims one again), or
+            # a client that dies idle would take it with it, counted lost for good.
+            released, self._claimed = self._claimed, False
         finally:
             self._lock.release()
+        if released:
+            self._quiet_call("release_step_graph")
+        return self.idle_s
 
     def __del__(self) -> None:
         # A client dropped without shutdown(): tear down and give the slot back without
@@ -234,9 +239,20 @@ class StepGraph:
         if graph is None:
             return
         self._teardown_thread = threading.Thread(
-            target=teardown_quietly, args=(graph,), daemon=True, name="cpkv-step-graph-teardown"
+            target=self._tear_down_and_release,
+            args=(graph,),
+            daemon=True,
+            name="cpkv-step-graph-teardown",
         )
         self._teardown_thread.start()
+
+    def _tear_down_and_release(self, graph: Any) -> None:
+        """An abandoned graph's teardown, then its slot given back (no build claims another
+        while this thread lives)."""
+        teardown_quietly(graph)
+        if self._claimed:
+            self._claimed = False
+            self._quiet_call("release_step_graph")
 
     def _quiet_call(self, method: str) -> None:
         import ray

@@ -25,7 +25,7 @@ class GraphSlots:
         num_slots: the graphs the coordinator has threads for.
     """
 
-    __slots__ = ("_holders", "_lock", "num_lost", "num_slots")
+    __slots__ = ("_abandoned", "_holders", "_lock", "num_lost", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 0:
@@ -33,6 +33,8 @@ class GraphSlots:
         self.num_slots = num_slots
         self.num_lost = 0
         self._holders: set[str] = set()
+        # NOTE: at most num_slots: only a holder is abandoned, and holders fit the slots.
+        self._abandoned: set[str] = set()
         self._lock = threading.Lock()
 
     @property
@@ -54,12 +56,17 @@ class GraphSlots:
             return True
 
     def release(self, client_id: str) -> bool:
-        """``client_id`` tore its graph down: its slot is free again. False if it held none."""
+        """``client_id`` tore its graph down: its slot is free again, one counted lost too
+        (a client only paused past its lease: its loop ended now). False if it held none."""
         with self._lock:
-            if client_id not in self._holders:
-                return False
-            self._holders.discard(client_id)
-            return True
+            if client_id in self._holders:
+                self._holders.discard(client_id)
+                return True
+            if client_id in self._abandoned:
+                self._abandoned.discard(client_id)
+                self.num_lost -= 1
+                return True
+            return False
 
     def abandon(self, client_id: str) -> bool:
         """``client_id`` went away holding a slot (its lease closed or lapsed): the slot's
@@ -68,5 +75,6 @@ class GraphSlots:
             if client_id not in self._holders:
                 return False
             self._holders.discard(client_id)
+            self._abandoned.add(client_id)
             self.num_lost += 1
             return True
