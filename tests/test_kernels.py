@@ -472,6 +472,21 @@ BAD_CALLS: list[tuple[str, Callable[[], object], str]] = [
         "seq_lens [3] < prefix_lens [5]",
     ),
     (
+        "wrt-row-outside",
+        lambda: RT.write_req_to_token(_table(), _i64(4), _i64(0), _i64(2), _i64(1, 2)),
+        "req_pool_indices must lie in [0, 4), got [4, 4]",
+    ),
+    (
+        "wrt-negative-prefix",
+        lambda: RT.write_req_to_token(_table(), _i64(0), _i64(-1), _i64(1), _i64(1, 2)),
+        "lengths must lie in [0, 16] (req_to_token's width), got prefix_lens down to -1",
+    ),
+    (
+        "wrt-past-width",
+        lambda: RT.write_req_to_token(_table(), _i64(0), _i64(0), _i64(17), _i64(*range(17))),
+        "seq_lens up to 17",
+    ),
+    (
         "wrt-negative-hint",
         lambda: RT.write_req_to_token(
             _table(), _i64(0), _i64(0), _i64(2), _i64(1, 2), max_extend_len=-1
@@ -516,6 +531,16 @@ BAD_CALLS: list[tuple[str, Callable[[], object], str]] = [
         "alloc-page-size-float",
         lambda: RT.alloc_extend_slots(_i64(0), _i64(4), _i64(-1), _i64(1), 4.0),
         "page_size must be an int >= 1, got 4.0",
+    ),
+    (
+        "alloc-negative-prefix",
+        lambda: RT.alloc_extend_slots(_i64(-2), _i64(3), _i64(-1), _i64(1, 2), 4),
+        "prefix_lens [-2] must be >= 0",
+    ),
+    (
+        "rope-bool-heads",
+        lambda: K.rope_qkv(torch.zeros(2, 48), torch.zeros(2, 16), torch.zeros(2, 16), True, True),
+        "num_heads=True must be an int >= 1",
     ),
     (
         "alloc-page-count",

@@ -91,6 +91,9 @@ def rope_qkv(
     qkv = check_tensor(_NAME, "qkv", qkv, ndim=2, dtypes=KV_DTYPES)
     cos = check_tensor(_NAME, "cos", cos, ndim=2, dtypes=(qkv.dtype,), contiguous=True)
     sin = check_tensor(_NAME, "sin", sin, ndim=2, dtypes=(qkv.dtype,), contiguous=True)
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{_NAME}: {name}={value!r} must be an int >= 1")
     t, width = qkv.shape
     heads = num_heads + 2 * num_kv_heads
     d = cos.shape[1]

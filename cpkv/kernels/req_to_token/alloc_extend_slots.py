@@ -173,12 +173,14 @@ def _read_sizes(
 ) -> tuple[int, int]:
     """Read the total and max extend length from the device (one sync); check the counts."""
     ext_lens = lens[1] - lens[0]
-    min_ext, max_ext, *totals = torch.cat(
-        (torch.stack((ext_lens.min(), ext_lens.max())), cum[:, -1])
+    min_ext, max_ext, min_pre, *totals = torch.cat(
+        (torch.stack((ext_lens.min(), ext_lens.max(), lens[0].min())), cum[:, -1])
     ).tolist()
     total_tokens, total_pages = totals[1] - totals[0], totals[3] - totals[2]
     if min_ext < 0:
         raise ValueError(f"{_NAME}: seq_lens {lens[1].tolist()} < prefix_lens {lens[0].tolist()}")
+    if min_pre < 0:
+        raise ValueError(f"{_NAME}: prefix_lens {lens[0].tolist()} must be >= 0")
     check_count(_NAME, "new_pages", new_pages.numel(), total_pages, "new page counts")
     if extend_num_tokens is not None and extend_num_tokens != total_tokens:
         raise ValueError(

@@ -65,6 +65,10 @@ def get_last_loc(
 
     Raises:
         ValueError: bad shapes, dtypes, devices or contiguity.
+
+    NOTE: values are not checked (that would need a device sync, which this launcher never
+    makes): rows must lie in the table and prefix lengths in [0, max_context_len], or the
+    kernel reads outside them.
     """
     check_table(_NAME, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens)):

@@ -143,7 +143,8 @@ def write_req_to_token(
 
     Raises:
         ValueError: bad shapes, dtypes, devices or contiguity; and, when a hint is missing (so
-            the launcher reads the lengths anyway), element counts that do not match the lengths.
+            the launcher reads the lengths anyway), element counts that do not match the
+            lengths, lengths outside the table's width or rows outside the table.
 
     NOTE: with both hints given, values are not checked (that would need a device sync): rows,
     lengths and hints must be in range, or the kernel writes out of bounds / misses slots.
@@ -172,7 +173,7 @@ def write_req_to_token(
     cum = torch.cumsum(torch.stack((prefix_lens, seq_lens)), dim=1, dtype=torch.int64)
     if max_extend_len is None or (has_prefix and max_prefix_len is None):
         max_extend_len, max_prefix_len = _read_sizes(
-            prefix_lens, seq_lens, cum, out_cache_loc, prefix_locs
+            req_to_token, req_pool_indices, prefix_lens, seq_lens, cum, out_cache_loc, prefix_locs
         )
     max_len = max(max_extend_len, max_prefix_len or 0) if has_prefix else max_extend_len
     if max_len == 0:
@@ -201,21 +202,50 @@ def write_req_to_token(
 
 
 def _read_sizes(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     cum: torch.Tensor,
     out_cache_loc: torch.Tensor,
     prefix_locs: torch.Tensor | None,
 ) -> tuple[int, int]:
-    """Read the max lengths from the device (one sync) and check the totals while at it."""
+    """Read the max lengths from the device (one sync) and check the totals, the rows and
+    the lengths against the table while at it (the kernel stores unchecked)."""
     ext = seq_lens.to(torch.int64) - prefix_lens
+    i64 = torch.int64
     stats = torch.cat(
-        (torch.stack((ext.min(), ext.max(), prefix_lens.max().to(torch.int64))), cum[:, -1])
+        (
+            torch.stack(
+                (
+                    ext.min(),
+                    ext.max(),
+                    prefix_lens.max().to(i64),
+                    prefix_lens.min().to(i64),
+                    seq_lens.max().to(i64),
+                    req_pool_indices.min().to(i64),
+                    req_pool_indices.max().to(i64),
+                )
+            ),
+            cum[:, -1],
+        )
     )
-    min_ext, max_ext, max_pre, total_pre, total_seq = stats.tolist()
+    min_ext, max_ext, max_pre, min_pre, max_seq, min_row, max_row, total_pre, total_seq = (
+        stats.tolist()
+    )
     if min_ext < 0:
         raise ValueError(
             f"{_NAME}: seq_lens {seq_lens.tolist()} < prefix_lens {prefix_lens.tolist()}"
+        )
+    rows, width = req_to_token.shape
+    if min_pre < 0 or max_seq > width:
+        raise ValueError(
+            f"{_NAME}: lengths must lie in [0, {width}] (req_to_token's width), got prefix_lens "
+            f"down to {min_pre}, seq_lens up to {max_seq}"
+        )
+    if min_row < 0 or max_row >= rows:
+        raise ValueError(
+            f"{_NAME}: req_pool_indices must lie in [0, {rows}), got [{min_row}, {max_row}]"
         )
     check_count(
         _NAME, "out_cache_loc", out_cache_loc.numel(), total_seq - total_pre, "extend lengths"
