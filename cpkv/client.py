@@ -1262,6 +1262,8 @@ def _stop_tokens(eos_token_id: object) -> frozenset[int]:
     """``generate``'s stop tokens: none, one id or a collection of ids."""
     if eos_token_id is None:
         return frozenset()
+    if isinstance(eos_token_id, np.ndarray):
+        eos_token_id = eos_token_id.reshape(-1).tolist()
     ids = (
         eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) else [eos_token_id]
     )

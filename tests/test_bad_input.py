@@ -202,3 +202,14 @@ def test_bad_strategy_and_mismatched_lane_count(make_client):
     with pytest.raises(ValueError, match="exists"):
         cpkv.connect(name=c.name, cp_size=2, page_size=4, num_pages_per_lane=32)
     assert c.stats()["cp_size"] == 4
+
+
+def test_generate_takes_one_stop_token_or_several():
+    from cpkv.client import _stop_tokens
+
+    assert _stop_tokens(None) == frozenset()
+    assert _stop_tokens(7) == _stop_tokens(np.int64(7)) == {7}
+    assert _stop_tokens([1, 2]) == _stop_tokens(np.array([1, 2])) == {1, 2}  # config's lists
+    for bad in ("7", [True], [-1], 2.0):
+        with pytest.raises(InvalidRequestError, match="eos_token_id"):
+            _stop_tokens(bad)
