@@ -386,15 +386,16 @@ def tma_tiles(
 
 
 TMA_TILINGS = {
-    # 2-4 tiles a page, two a softmax step (pairs across pages too); grid (heads, blocks)
-    "m16-n16-pairs-heads-first": (16, 16, 1, True, True),
+    # Page 32 cuts the 64-key tiles to 32, paired into 64-key steps (across pages too);
+    # page 64 keeps them whole, unpaired; grid (heads, blocks)
+    "m16-n64-pairs-heads-first": (16, 64, 1, True, True),
     "m32-n64-2heads": (32, 64, 2),  # page 32: the tile cut to the page; 2 GQA heads a program
 }
 
 
 # Each tiling with its own dtype (as DTYPE_TILINGS): every layout meets both at half the cost.
 TMA_DTYPE_TILINGS = [
-    pytest.param(torch.float16, "m16-n16-pairs-heads-first", id="fp16-m16-n16-pairs-heads-first"),
+    pytest.param(torch.float16, "m16-n64-pairs-heads-first", id="fp16-m16-n64-pairs-heads-first"),
     pytest.param(torch.bfloat16, "m32-n64-2heads", id="bf16-m32-n64-2heads"),
 ]
 
@@ -405,6 +406,8 @@ TMA_DTYPE_TILINGS = [
 def test_tma_path_matches_reference(monkeypatch, layout, ps, dtype, tiling):
     monkeypatch.setattr(tma_mod, "MODE", "always")
     monkeypatch.setattr(tma_mod, "CONFIGS", tma_tiles(*TMA_TILINGS[tiling]))
+    paired = tma_mod.config_for(32, ps, group=2, max_q_len=64).pair_tiles
+    assert paired == (tiling.startswith("m16-n64-pairs") and ps == 32)
     x = build(LAYOUTS[layout](ps), ps, hq=4, hkv=2, d=32, dtype=dtype, seed=ps + 1)
     assert tma_mod.tma_supported(dev(x.q), dev(x.k))
     scale = 32**-0.5

@@ -162,13 +162,15 @@ class StepGraph:
             self.num_idle_teardowns += 1
             logger.info("step graph: idle for %.0fs; torn down", self.idle_s)
             # NOTE: its loop ended: the slot goes back (the next build claims one again), or
-            # a client that dies idle would take it with it, counted lost for good.
-            released, self._claimed = self._claimed, False
+            # a client that dies idle would take it with it, counted lost for good. Given
+            # back under the lock: a build meanwhile would claim first, and this release
+            # then free the slot its new graph holds (a step falls back to a plain call).
+            if self._claimed:
+                self._claimed = False
+                self._quiet_call("release_step_graph")
+            return self.idle_s
         finally:
             self._lock.release()
-        if released:
-            self._quiet_call("release_step_graph")
-        return self.idle_s
 
     def __del__(self) -> None:
         # A client dropped without shutdown(): tear down and give the slot back without

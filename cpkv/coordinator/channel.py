@@ -339,6 +339,9 @@ class LaneChannel:
         taken = {id(m) for m in moves if m is not None}
         with self._pending_lock:
             self._pending = deque(p for p in self._pending if id(p[3]) not in taken)
+        for move in moves:  # a back-pressure wait on one of them ends now
+            if move is not None:
+                move.cancel()
         with self._waiting_lock:
             for lane, batch in enumerate(batches):
                 if batch is not None:

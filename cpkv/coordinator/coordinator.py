@@ -424,8 +424,9 @@ class Coordinator:
             return self._for_caller(self._request_error(client_id, op, requests)) or group
 
         def decide_and_submit() -> dict:
-            assert group is not None, "a step decided for a call that was answered"
-            if not self._group_is_current(group):
+            if group is None or not self._group_is_current(group):
+                # None: the call looked answered, and its reply was forgotten since (pushed
+                # out by other calls): nothing ran for it here, so it waits like any other.
                 # Dropped since it was read (a lane lost, a step failed, while settling):
                 # the lanes left it; a step for it would fail requests it never touched.
                 raise self._request_error(client_id, op, requests) or self._supervisor.unavailable(

@@ -351,7 +351,7 @@ class LaneSupervisor:
 
         Returns:
             The group id, or a ``KVCapacityWaitError(reason="lane_unavailable")`` when a lane
-            is not serving (back off and retry).
+            is not serving or the group was dropped while it was built (back off and retry).
         """
         with self._group_lock:
             with self._lock:

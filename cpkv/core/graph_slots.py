@@ -5,7 +5,8 @@ threads (Ray's ``_ray_system`` concurrency group) for as long as the graph lives
 its client tore down gives its thread back; the graph of a client that died without tearing
 it down keeps its thread forever (the loop waits on a channel nobody writes or closes). So
 the coordinator grants at most as many graphs as it has threads for, and counts a slot whose
-holder went away without giving it back as lost: its thread is never free again. A client
+holder went away without giving it back as lost: its thread is not free again, unless that
+client was only paused and gives it back once its graph comes down. A client
 that is refused sends its steps as ordinary calls, which are slower but behave the same.
 
 Pure bookkeeping (no Ray), with a lock of its own: a claim never waits behind a decision.
