@@ -569,6 +569,24 @@ def test_a_step_retried_while_a_lane_restarts_gets_its_first_answer():
         prefill(coord, "a", "r", [5], call_id="Y")
 
 
+def test_a_step_whose_reply_goes_between_its_check_and_its_call_waits():
+    """Seen answered, then pushed out of the remembered replies by other calls before its
+    call ran: no group was read for it, so it waits (it raised AssertionError)."""
+    coord, _lanes = make()
+    coord.hello("a")
+    prefill(coord, "a", "r", np.arange(1, 5), call_id="X")
+    call = coord._call
+
+    def evicted_first(epoch, client_id, call_id, *args, **kwargs):
+        coord._replies._replies.pop((client_id, call_id))  # as the count bound would
+        return call(epoch, client_id, call_id, *args, **kwargs)
+
+    coord._call = evicted_first
+    with pytest.raises(KVCapacityWaitError, match="lane_unavailable"):
+        prefill(coord, "a", "r", np.arange(1, 5), call_id="X")
+    assert coord._core.request_len(coord._key("a", "r")) == 4
+
+
 def test_a_step_whose_group_was_dropped_meanwhile_waits_and_fails_nothing():
     """The group read before the call's own settle (which may find a lane lost or another
     step failed, dropping it): the lanes left it, so a step sent for it would fail requests
