@@ -117,8 +117,8 @@ def connect(
         cp_size, page_size, num_pages_per_lane, max_reqs, max_context_len: the
             pool (see :class:`cpkv.CPConfig`).
         num_gpus_per_lane: GPUs per lane; default 1 where the cluster has at least
-            ``cp_size`` GPUs, else its GPUs shared out (``GPUs / cp_size``, lanes packed),
-            and 0 (CPU lanes) where it has none.
+            ``cp_size`` GPUs, else lanes packed an equal share of a GPU each (3 GPUs at
+            cp 4: 0.5 a lane), and 0 (CPU lanes) where it has none.
         num_cpus_per_lane: logical CPUs each lane reserves.
         strategy: ``STRICT_PACK`` (default), ``PACK``, ``SPREAD`` or ``STRICT_SPREAD``.
         name: the coordinator's actor name; an existing one is attached to (a client that

@@ -146,3 +146,15 @@ def test_lanes_on_one_host_split_its_memory_and_packed_gpu_lanes_their_gpu():
     packed = [lane("a", "cuda:0")] * 4
     assert memory_shares(packed, 0.25) == [0.25] * 4
     assert memory_shares([lane("a", "cuda:0"), lane("b", "cuda:0")], 1.0) == [1.0, 1.0]
+
+
+def test_the_default_gpu_share_fits_on_the_gpus_there_are():
+    from cpkv.actors.pool import default_gpus_per_lane
+
+    assert default_gpus_per_lane(8, 4) == 1.0
+    assert default_gpus_per_lane(1, 4) == 0.25  # the one GPU of a development box
+    assert default_gpus_per_lane(2, 4) == 0.5
+    assert default_gpus_per_lane(3, 4) == 0.5  # 0.75 a lane: only three would fit
+    assert default_gpus_per_lane(3, 8) == 1 / 3
+    assert default_gpus_per_lane(0, 4) == 0.0
+    assert default_gpus_per_lane(0.5, 2) == 0.25  # a fractional GPU lent to the cluster

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ class LaneOptions:
     Attributes:
         num_gpus_per_lane: GPUs a lane takes (fractional packs lanes on one GPU; 0 runs lanes
             without a GPU); ``None``: 1 where the cluster has at least ``cp_size`` GPUs,
-            else ``GPUs / cp_size`` (packed), 0 where it has none.
+            else an equal share of one (packed: :func:`default_gpus_per_lane`), 0 where it
+            has none.
         num_cpus_per_lane: logical CPUs a lane reserves.
         strategy: placement-group strategy, one of :data:`STRATEGIES`.
         start_timeout_s: how long the lanes may take to be placed and started (their
@@ -211,8 +213,7 @@ class Pool:
     ) -> Pool:
         gpus = options.num_gpus_per_lane
         if gpus is None:
-            have = ray.cluster_resources().get("GPU", 0)
-            gpus = 1.0 if have >= config.cp_size else (have / config.cp_size if have else 0.0)
+            gpus = default_gpus_per_lane(ray.cluster_resources().get("GPU", 0), config.cp_size)
         # NOTE: unique per creation: two drivers racing to create one pool must not collide
         # on lane names; the loser removes its lanes below.
         names = _Names(f"{name}-{uuid.uuid4().hex[:8]}-")
@@ -451,6 +452,19 @@ def _size_from_memory(
             f"{min(caps)} pages on the smallest lane (per lane: {caps})"
         )
     return dataclasses.replace(config, num_pages_per_lane=min(caps))
+
+
+def default_gpus_per_lane(num_gpus: float, cp_size: int) -> float:
+    """A lane's GPUs when the caller names none: a whole one where there are enough, else an
+    equal share of one GPU, as many lanes to a GPU as the lanes need (a share must fit on one
+    GPU: 3 GPUs at cp 4 give 0.5 a lane, not 0.75, which only three GPUs could hold), and 0
+    (CPU lanes) without GPUs."""
+    if num_gpus >= cp_size:
+        return 1.0
+    whole = int(num_gpus)
+    if whole < 1:
+        return 0.0 if num_gpus <= 0 else num_gpus / cp_size
+    return 1.0 / math.ceil(cp_size / whole)
 
 
 def memory_shares(infos: list[dict], num_gpus_per_lane: float) -> list[float]:
