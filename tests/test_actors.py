@@ -344,3 +344,13 @@ def test_lanes_sharing_a_gpu_are_named_and_cpu_lanes_are_not():
     assert _shared_gpus(infos) == [([0, 2], "node n1, GPU 0")]
     assert _shared_gpus([lane("cpu"), lane("cpu")]) == []  # logical GPUs on a CPU machine
     assert _shared_gpus([lane("cuda:0", gpus=("0",)), lane("cuda:0", gpus=("1",))]) == []
+
+
+def test_a_check_waiting_on_a_hung_lane_never_holds_the_status_threads():
+    """check() waits for every lane's count (a hung lane: up to lane_restart_timeout_s); in
+    the two-thread status group two checks held stats() and the clients' lane_fence()."""
+    from cpkv.actors.coordinator import CoordinatorActor
+
+    groups = CoordinatorActor.__ray_metadata__.method_meta.concurrency_group_for_methods
+    assert groups["stats"] == groups["lane_fence"] == "status"
+    assert groups["check"] not in ("status", "lease")

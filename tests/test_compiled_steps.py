@@ -192,6 +192,55 @@ def lane(monkeypatch):
     return lane
 
 
+class _LibError(Exception):
+    """A third-party error as they often are: it pickles, but cannot be rebuilt."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def test_a_lane_error_that_cannot_be_rebuilt_arrives_as_a_readable_one(lane, monkeypatch):
+    """Unpacked by the coordinator it would raise there: the graph's read fails, every
+    lane's answer is lost and the graph torn down."""
+    from cpkv.actors.wire import pack, unpack
+
+    monkeypatch.setattr(lane, "compiled_step", lambda packet: LaneReply(error=_LibError("x", 7)))
+    reply = unpack(lane.compiled_step_packed(pack(_packet(1))))
+    assert isinstance(reply.error, RuntimeError) and "_LibError: x" in str(reply.error)
+
+
+def test_concurrent_stats_count_each_capacity_wait_once():
+    from cpkv.actors.coordinator import _Metrics
+
+    metrics = _Metrics.__new__(_Metrics)
+    incs: list[int] = []
+    start = threading.Barrier(2)
+
+    class _Counter:
+        def inc(self, n: int) -> None:
+            incs.append(n)
+            time.sleep(0.02)  # the window two updates raced in
+
+    metrics._pages = types.SimpleNamespace(set=lambda *a, **k: None)
+    metrics._waits = _Counter()
+    metrics._evicted = types.SimpleNamespace(inc=lambda n: None)
+    metrics._last = {"capacity_waits": 0, "pages_evicted": 0}
+    metrics._lock = threading.Lock()
+    stats = {"free": [1], "used": [0], "cached": [0], "capacity_waits": 5, "pages_evicted": 0}
+
+    def update() -> None:
+        start.wait()
+        metrics.update(stats)
+
+    threads = [threading.Thread(target=update) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(incs) == 5
+
+
 def test_a_heartbeat_counts_pages_only_once_the_moves_of_its_fence_are_applied(lane):
     assert lane.heartbeat(("g", 1))[1] is None  # the move it names has not come
     lane.apply_moves((("g", 1, np.array([1, 2], I32), np.empty(0, I32)),))

@@ -9,6 +9,7 @@ every call. Pool gauges go to Ray's metrics (Prometheus on a cluster).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import ray
@@ -40,18 +41,23 @@ class _Metrics:
         except Exception:  # metrics are optional: never fail the coordinator for them
             self._pages = None
         self._last = {"capacity_waits": 0, "pages_evicted": 0}
+        self._lock = threading.Lock()  # stats() runs on two threads: a delta counted once
 
     def update(self, stats: dict) -> None:
         if self._pages is None:
             return
-        for state in ("free", "used", "cached"):
-            for lane, value in enumerate(stats[state]):
-                self._pages.set(value, tags={"lane": str(lane), "state": state})
-        for name, counter in (("capacity_waits", self._waits), ("pages_evicted", self._evicted)):
-            delta = stats[name] - self._last[name]
-            if delta > 0:
-                counter.inc(delta)
-            self._last[name] = stats[name]
+        with self._lock:
+            for state in ("free", "used", "cached"):
+                for lane, value in enumerate(stats[state]):
+                    self._pages.set(value, tags={"lane": str(lane), "state": state})
+            for name, counter in (
+                ("capacity_waits", self._waits),
+                ("pages_evicted", self._evicted),
+            ):
+                delta = stats[name] - self._last[name]
+                if delta > 0:
+                    counter.inc(delta)
+                self._last[name] = stats[name]
 
 
 # Clients that may send their steps through a compiled graph of their own at once: each
@@ -71,7 +77,7 @@ _GRAPH_STEPS = frozenset({"prefill", "prefill_batch", "decode"})
     max_restarts=2,
     max_task_retries=0,
     max_concurrency=16,
-    concurrency_groups={"lease": 2, "status": 2, "_ray_system": _STEP_GRAPHS + 1},
+    concurrency_groups={"lease": 2, "status": 2, "check": 2, "_ray_system": _STEP_GRAPHS + 1},
 )
 class CoordinatorActor:
     """Delegates to :class:`cpkv.coordinator.coordinator.Coordinator`.
@@ -170,10 +176,13 @@ class CoordinatorActor:
         ordinary call gives."""
         answer = self._run_step(unpack(call))
         try:
-            return pack(answer)
-        except Exception as e:  # an error value that will not pickle: say so instead
+            out = pack(answer)
+            if isinstance(answer, BaseException):
+                unpack(out)  # one that pickles but cannot be rebuilt would fail the client's read
+            return out
+        except Exception as e:  # an error value that will not travel: say so instead
             logger.exception("run_step: answer unpicklable")
-            return pack(RuntimeError(f"run_step: answer unpicklable: {e}"))
+            return pack(RuntimeError(f"run_step: {type(answer).__name__}: unpicklable: {e}"))
 
     def _run_step(self, call: tuple) -> Any:
         method, *args = call
@@ -217,7 +226,9 @@ class CoordinatorActor:
         self._metrics.update(out)
         return out
 
-    @ray.method(concurrency_group="status")
+    # NOTE: check() waits for every lane's count (a hung lane: up to lane_restart_timeout_s):
+    # a group of its own, or two checks would hold stats() and the clients' lane_fence().
+    @ray.method(concurrency_group="check")
     def check(self) -> dict:
         return self._c.check()
 

@@ -209,9 +209,16 @@ class _Lane:
         packet owns its arrays)."""
         reply = self.compiled_step(unpack(data))
         try:
-            return pack(reply)
-        except Exception as e:  # an error value that will not pickle: say so instead
-            error = RuntimeError(f"lane {self._lane}: answer unpicklable: {e}")
+            out = pack(reply)
+            if reply is not None and reply.error is not None:
+                # NOTE: an error that pickles but cannot be rebuilt (an __init__ of other
+                # arguments than it passes on) would fail the reader: the graph's, whole.
+                unpack(out)
+            return out
+        except Exception as e:  # an error value that will not travel: say so instead
+            bad = None if reply is None else reply.error
+            what = "answer" if bad is None else f"{type(bad).__name__}: {bad}"
+            error = RuntimeError(f"lane {self._lane}: {what} (unpicklable: {e})")
             return pack(LaneReply(error=error))
 
     def _applied(self, fence: tuple[str, int]) -> Callable[[], bool]:
