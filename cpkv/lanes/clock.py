@@ -20,11 +20,15 @@ class StreamClock:
     copies through the host), and a kernel as its run time. On the CPU, wall time.
     """
 
-    __slots__ = ("_events", "_host_s")
+    __slots__ = ("_events", "_host_s", "_spare")
 
     def __init__(self) -> None:
         self._host_s = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # Pairs read by take(), recorded again by later sections: a step times two sections a
+        # layer, and a CUDA event's create and destroy (one each a section otherwise, the
+        # destroys after the step's compute time, on its answer's path) cost host time.
+        self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
     def timed(self, device: torch.device) -> Iterator[None]:
@@ -34,10 +38,12 @@ class StreamClock:
             yield
             self._host_s += time.perf_counter() - t0
             return
-        start = torch.cuda.Event(enable_timing=True)
+        if self._spare:
+            start, end = self._spare.pop()
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         yield
-        end = torch.cuda.Event(enable_timing=True)
         end.record()
         self._events.append((start, end))
 
@@ -47,5 +53,6 @@ class StreamClock:
         for start, end in self._events:
             end.synchronize()
             total += start.elapsed_time(end) / 1e3
+        self._spare.extend(self._events)
         self._host_s, self._events = 0.0, []
         return total

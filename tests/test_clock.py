@@ -1,0 +1,43 @@
+"""StreamClock: the lanes' section timer (attention time, time in collectives)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from cpkv.lanes.clock import StreamClock
+
+
+def test_host_sections_add_up_and_take_resets() -> None:
+    clock = StreamClock()
+    for _ in range(3):
+        with clock.timed(torch.device("cpu")):
+            time.sleep(0.02)
+    assert 0.06 <= clock.take() < 1.0
+    assert clock.take() == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sections_time_the_stream_and_reuse_their_events() -> None:
+    dev = torch.device("cuda")
+    clock = StreamClock()
+    cycles = 50_000_000  # tens of ms of GPU time on any current GPU
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    one = start.elapsed_time(end) / 1e3
+    rounds = []
+    for _ in range(2):
+        for _ in range(4):
+            with clock.timed(dev):
+                torch.cuda._sleep(cycles)
+        rounds.append({id(e) for pair in clock._events for e in pair})
+        assert clock.take() == pytest.approx(4 * one, rel=0.2)
+    # Four pairs, created once: the second round recorded the first round's events again.
+    assert len(rounds[0]) == 8 and rounds[1] == rounds[0]
+    assert clock.take() == 0.0
