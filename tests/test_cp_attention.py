@@ -23,6 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -125,6 +126,16 @@ def build_cases(cp: int) -> list[Case]:
                 rng = np.random.default_rng(seed)
                 pages, per_lane = assign_pages(cp, ps, lens, rng)
                 cases.append(Case(name, cp, ps, mode, tuple(lens), pages, per_lane, seed))
+    # every page on the last lane, a cached prefix among them (the paged route, not SDPA): a
+    # solo step, which that lane runs alone; and a batch of two such requests
+    if cp > 1:
+        for name, lens in (("solo_prefix", [(6, 5)]), ("solo_batch", [(5, 2), (0, 3)])):
+            for mode in MODES:
+                seed += 1
+                n_pages = [-(-(p + e) // 4) for p, e in lens]
+                ids = iter(range(1, sum(n_pages) + 1))
+                pages = tuple(tuple(next(ids) * cp + cp - 1 for _ in range(n)) for n in n_pages)
+                cases.append(Case(name, cp, 4, mode, tuple(lens), pages, sum(n_pages) + 2, seed))
     # one bf16 case per mode: the exchanges carry the shard's dtype
     for mode in MODES:
         seed += 1
@@ -234,8 +245,9 @@ def run_case(group: LaneGroup, case: Case) -> dict:
     refs = [reference(*s) for s in seqs]
     want = torch.stack([refs[b][p] for b, p in zip(reqs, pos, strict=True)]) if n else out
     tol = 1e-5 if case.dtype == "float32" else 2e-2
-    # Partials merge in fp32; one lane's pass-Q output is the whole attention, in q's dtype.
-    one = group.world_size == 1 and attn.last_mode == "pass_q"
+    # Partials merge in fp32; one lane's pass-Q output is the whole attention, in q's dtype,
+    # as is a solo step's (one lane holds every page of it).
+    one = (group.world_size == 1 and attn.last_mode == "pass_q") or attn.solo
     out_dtype = dtype if one else torch.float32
     for what, got, exp, t in (
         ("output", out, want, tol),
@@ -258,6 +270,7 @@ def run_case(group: LaneGroup, case: Case) -> dict:
                 errors.append(f"last token of request {b}: row {i} is {(reqs[i], pos[i])}")
     return {
         "case": case,
+        "solo": attn.solo,
         "errors": errors,
         "mode": attn.last_mode,
         "bytes": attn.exchange_bytes,
@@ -273,6 +286,7 @@ def summary(result: dict) -> dict:
         "id": f"{c.name}/ps{c.page_size}/{c.mode}",
         "name": c.name,
         "mode": c.mode,
+        "solo": result["solo"],
         "errors": result["errors"],
         "last_mode": result["mode"],
         "bytes": result["bytes"],
@@ -391,6 +405,14 @@ def check_phase(lanes: list[dict], world_size: int, backend: str) -> None:
         mode = modes.pop()
         assert mode == c.mode or c.mode == "auto", cid
         assert sum(lane[cid]["n"] for lane in by_id) == sum(e for _, e in c.lens), cid
+        solo = StepPlan.build(c.requests(), world_size, c.page_size, 0).solo_lane >= 0
+        assert all(lane[cid]["solo"] == solo for lane in by_id), cid
+        if solo:
+            # One lane holds every page: it attends alone, nobody exchanges or waits.
+            assert mode == ("pass_q" if c.mode == "auto" else c.mode), cid
+            assert all(lane[cid]["bytes"] == lane[cid]["bytes_read"] == 0 for lane in by_id), cid
+            assert all(lane[cid]["wait_s"] == 0 for lane in by_id), cid
+            continue
         if c.mode == "auto":
             # no history: pass-KV moves fewer bytes in fewer collectives (GQA, Hkv < Hq)
             if all(p == 0 for p, _ in c.lens):
@@ -437,8 +459,14 @@ def test_lanes_match_single_device(world_size: int, lane_reports: list[dict]) ->
     lanes = phase_of(lane_reports, PHASES.index(world_size))
     check_phase(lanes, world_size, lane_reports[0]["backend"])
     by_id = [{res["id"]: res for res in lane["results"]} for lane in lanes]
-    # a tiny request: the lanes that own none of its tokens still took part
-    assert any(lane["tiny/ps16/pass_q"]["n"] == 0 for lane in by_id)
+    # a tiny request (one page): one lane ran it alone, the others own none of its tokens
+    tiny = [lane["tiny/ps16/pass_q"] for lane in by_id]
+    assert all(r["solo"] for r in tiny) and sorted(r["n"] for r in tiny)[-2:] == [0, 3]
+    # steps over pages on several lanes: every lane takes part, whatever tokens it owns
+    for name in ("prefix_aligned", "chunk_midpage", "batch"):
+        for ps in PAGE_SIZES:
+            rs = [lane[f"{name}/ps{ps}/pass_q"] for lane in by_id]
+            assert not any(r["solo"] for r in rs) and all(r["wait_s"] > 0 for r in rs)
 
 
 def test_group_rebuilt_in_the_same_processes(lane_reports: list[dict]) -> None:
@@ -512,6 +540,34 @@ def test_step_plan_matches_a_direct_walk() -> None:
 def test_step_request_rejects(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         StepSequence(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("pages", "cp", "want"),
+    [
+        ([[5, 9, 13]], 4, 1),  # three pages, all on lane 1
+        ([[6], [10, 14]], 4, 2),  # two requests, every page on lane 2
+        ([[5, 6]], 4, -1),  # a prompt over two lanes
+        ([[5], [6]], 4, -1),  # two requests, each on its own lane
+        ([[2, 3, 5]], 1, 0),  # cp 1: the one lane
+    ],
+    ids=["one-lane", "batch-one-lane", "two-lanes", "batch-two-lanes", "cp1"],
+)
+def test_step_plan_names_the_lane_holding_every_page(pages: list, cp: int, want: int) -> None:
+    # Prefix of 2 tokens where a request has more than one page: its history counts too.
+    seqs = [StepSequence(2 if len(p) > 1 else 0, len(p) * 4 - 3, np.array(p)) for p in pages]
+    plans = [StepPlan.build(seqs, cp, 4, lane) for lane in range(cp)]
+    assert {plan.solo_lane for plan in plans} == {want}
+    if want >= 0 and cp > 1:
+        # The lane holding the step owns all of it; the others own nothing and skip it.
+        assert [int(n) for n in plans[0].lane_counts] == [
+            sum(len(p) * 4 - 3 for p in pages) if lane == want else 0 for lane in range(cp)
+        ]
+    for lane, plan in enumerate(plans):
+        # Only the group's rank and size are read here: a stand-in will do.
+        attn = CPAttention(SimpleNamespace(rank=lane, world_size=cp), plan, "auto")
+        assert attn.solo == (cp > 1 and want >= 0)
+        assert attn.idle == (attn.solo and lane != want)
 
 
 @pytest.mark.parametrize(

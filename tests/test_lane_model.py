@@ -91,6 +91,18 @@ def test_prefill_chunks_prefix_reuse_and_decode_equal_transformers(make_client, 
         }
         for row, s in zip(got, seqs.values(), strict=True):
             assert_close(row, hf_logits(hf_llama, s))
+    # A prompt within one page: one lane holds the whole step (at cp > 1 the others skip it,
+    # nothing is exchanged), then its decodes, until the sequence spans two pages.
+    tiny = rng.integers(0, VOCAB, size=3)
+    res = c.prefill("tiny", tiny)
+    assert_close(res.logits, hf_logits(hf_llama, tiny))
+    assert sum(res.lane_exchange_bytes) == 0
+    assert sum(s > 0 for s in res.lane_attention_seconds) == 1
+    for _ in range(2):
+        nxt = int(np.argmax(hf_logits(hf_llama, tiny)))
+        (row,) = c.decode(["tiny"], [nxt])
+        tiny = np.concatenate([tiny, [nxt]])
+        assert_close(row, hf_logits(hf_llama, tiny))
     report = c.check()
     assert report["ok"], report
 

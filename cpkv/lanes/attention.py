@@ -31,15 +31,20 @@ by the owner), then exchanges and attends:
     takes ``pass_q`` (pass_kv would do the same history round *plus* the K/V gather); decode
     (one token per request, long history) takes ``pass_q``.
 
-One lane and no cached prefix (a cp=1 prefill of new requests): each request's keys are its
-own new tokens, contiguous and in order, so the lane attends them with torch SDPA where they
-are (the call transformers makes; cuDNN on Hopper) after writing them to its shard; every
-other step reads the shard through the paged kernel.
+A solo step (``plan.solo_lane``: every page of the step on one lane, as for a prompt that
+fits one page at ``cp_size > 1`` and its first decodes): that lane holds every key and computes
+every token, so it attends alone with no exchange, as one lane does; the other lanes skip the
+step (``idle``).
+
+One lane and no cached prefix (a cp=1 prefill of new requests, or a solo step's): each
+request's keys are its own new tokens, contiguous and in order, so the lane attends them with
+torch SDPA where they are (the call transformers makes; cuDNN on Hopper) after writing them to
+its shard; every other step reads the shard through the paged kernel.
 
 Every lane must construct the attention with the same mode and call ``forward`` at the same
 points with the same dtypes and head shapes: the exchanges are collectives, and ``auto`` relies
 on every lane computing the same decision from the same global plan and agreed link numbers.
-Lanes owning no token of a step still take part in every collective.
+Lanes owning no token of a step that is not solo still take part in every collective.
 """
 
 from __future__ import annotations
@@ -128,12 +133,13 @@ def lane_exchange_bytes(
         q_bytes, kv_bytes: element sizes of the queries and of the new K/V.
 
     Returns:
-        Bytes (0 at ``cp_size == 1``). A step of ``L`` layers moves ``L`` times this per lane.
+        Bytes (0 at ``cp_size == 1`` and for a solo step). A step of ``L`` layers moves ``L``
+        times this per lane.
     """
     if mode not in ("pass_q", "pass_kv"):
         raise ValueError(f"mode={mode!r} must be the mode that ran: 'pass_q' or 'pass_kv'")
     cp, me = plan.cp_size, plan.lane
-    if cp == 1:
+    if cp == 1 or plan.solo_lane >= 0:  # one lane holds the whole step: nothing to exchange
         return 0
     hq, hkv, d = num_q_heads, num_kv_heads, head_dim
 
@@ -222,7 +228,10 @@ class CPAttention:
         mode: ``"pass_q"``, ``"pass_kv"`` or ``"auto"`` (the same on every lane).
 
     Attributes:
-        last_mode: the mode the last :meth:`forward` ran (``None`` before the first).
+        last_mode: the mode the last :meth:`forward` ran (``None`` before the first); on a
+            solo step the mode asked for (``pass_q`` under ``auto``), nothing exchanged.
+        solo: every page of the step lies on one lane (``cp_size > 1``): no exchange.
+        idle: a solo step held by another lane: this lane has no token and no key of it.
         last_costs: ``auto``'s estimates ``{"pass_q": s, "pass_kv": s}`` for the last call, or
             ``None`` when the mode was fixed.
         exchange_bytes: payload bytes this lane received from the other lanes in the last
@@ -249,10 +258,17 @@ class CPAttention:
         self.total_exchange_bytes = 0
         self._device_plans: dict[torch.device, _DevicePlan] = {}
         self._auto: dict[tuple[int, ...], tuple[str, dict[str, float]]] = {}
+        # Every page of the step on one lane (a short prompt or decode): that lane holds every
+        # key and computes every token, so it attends alone and no lane exchanges anything.
+        # NOTE: every lane derives this from the same global pages, so all skip the
+        # collectives (measure() included) together.
+        self.solo = plan.cp_size > 1 and plan.solo_lane >= 0
+        # ... and the other lanes have nothing to do in this step.
+        self.idle = self.solo and plan.solo_lane != plan.lane
         # One lane and no cached prefix: each request's keys are exactly its new tokens, in
         # order, so torch SDPA attends them where they are (cuDNN on Hopper); the paged kernel
         # serves every other step.
-        self._dense = plan.cp_size == 1 and not plan.prefix_lens.any()
+        self._dense = plan.solo_lane == plan.lane and not plan.prefix_lens.any()
         self._dense_bounds = [int(c) for c in plan.cu_tokens]
 
     # --- setup ---
@@ -316,9 +332,9 @@ class CPAttention:
     # --- decision ---
 
     def _decide(self, q: torch.Tensor, k: torch.Tensor) -> str:
-        if self.mode != "auto":
+        if self.mode != "auto" or self.solo:
             self.last_costs = None
-            return self.mode
+            return self._fixed_mode()
         key = (q.shape[1], k.shape[1], q.shape[2], q.element_size(), k.element_size())
         if key not in self._auto:
             # NOTE: measure() is a collective, run on every lane's first auto call (same point
@@ -331,6 +347,17 @@ class CPAttention:
         choice, costs = self._auto[key]
         self.last_costs = dict(costs)
         return choice
+
+    def _fixed_mode(self) -> str:
+        # A solo step exchanges nothing whatever the mode: it reports the mode asked for,
+        # pass_q under auto (as one lane does).
+        return "pass_q" if self.mode == "auto" else self.mode
+
+    def skip(self) -> None:
+        """Record an idle lane's step (see ``idle``) without running :meth:`forward`: the
+        mode the step ran, no bytes exchanged."""
+        assert self.idle, "only a lane with no part in a solo step may skip it"
+        self.last_mode, self.last_costs, self.exchange_bytes = self._fixed_mode(), None, 0
 
     # --- exchanges ---
 
@@ -468,7 +495,9 @@ class CPAttention:
     ) -> torch.Tensor:
         """Store this lane's new K/V, exchange, and return its tokens' attention output.
 
-        A collective: every lane of the group calls it for the same step and layer.
+        A collective: every lane of the group calls it for the same step and layer (but
+        for a step whose pages all lie on one lane, ``plan.solo_lane``: that lane attends
+        alone, the others return at once, and nothing is exchanged).
 
         Args:
             k_shard, v_shard: ``[P, page_size, Hkv, D]`` this lane's shard for the layer
@@ -480,15 +509,19 @@ class CPAttention:
         Returns:
             ``[n_mine, Hq, D]``: causal attention of each of this lane's tokens over its whole
             sequence (cached prefix and this step's tokens up to its position); fp32, or the
-            dtype of ``q`` at cp_size 1 with ``pass_q`` (one partial, nothing to merge).
+            dtype of ``q`` at cp_size 1 with ``pass_q`` and on a solo step (one partial,
+            nothing to merge).
 
         Raises:
             ValueError: shapes that do not match the plan or each other, a shard too small for
                 the plan's pages; the kernels' own checks.
         """
         self._check(k_shard, v_shard, q, k, v)
-        dp = self._device_plan(q.device)
         self.exchange_bytes = 0
+        if self.idle:  # another lane holds this whole step (num_mine is 0)
+            self.skip()
+            return q.new_empty(q.shape)
+        dp = self._device_plan(q.device)
         # (1) the owner writes its tokens' K/V once, in place; after this every lane's pages
         # hold all their keys up to this step, since a page holds only its own lane's tokens.
         kernels.store_kv(k.contiguous(), v.contiguous(), k_shard, v_shard, dp.my_local_slots)
@@ -513,6 +546,13 @@ class CPAttention:
         self.last_mode = mode
         if self._dense:
             return self._dense_attention(q, k, v, sm_scale)
+        if self.solo:
+            x = dp.pass_q  # every query is this lane's and every key in its shard
+            out, _ = self._attend(
+                _rows(q, x.sorted_to_gathered), x.positions, x.cu_q, x.max_q_len, k_shard,
+                v_shard, x.pages, sm_scale, q.dtype,
+            )  # fmt: skip
+            return _rows(out, x.gathered_to_sorted)
         if mode == "pass_kv":
             return self._pass_kv(dp, k_shard, v_shard, q, k, v, sm_scale)
         # At cp_size 1 the one partial is the whole attention: it comes in q's dtype.

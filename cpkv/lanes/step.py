@@ -168,6 +168,9 @@ class StepPlan:
         last_token_owner: ``int32 [B]`` lane that computes each request's last token (its
             logits).
         last_token_index: ``int64 [B]`` that token's row in its owner's ``my_tokens``.
+        solo_lane: the lane holding every page of the step (so every key and every new token
+            of it), or -1 when the pages lie on several lanes; 0 at ``cp_size == 1``. A short
+            prompt or decode at ``cp_size > 1`` often fits one lane: it needs no exchange.
 
     This lane's views:
 
@@ -210,6 +213,7 @@ class StepPlan:
     gather_order: np.ndarray
     last_token_owner: np.ndarray
     last_token_index: np.ndarray
+    solo_lane: int
     my_tokens: np.ndarray
     my_positions: np.ndarray
     my_local_slots: np.ndarray
@@ -308,8 +312,11 @@ class StepPlan:
         # --- this lane's pages ---
         page_req = np.repeat(np.arange(nb, dtype=np.int64), n_seq_pages)
         page_pos = (np.arange(pages.shape[0], dtype=np.int64) - cu_seq_pages[page_req]) * ps
-        mine = pages % cp == lane
+        page_lane = pages % cp
+        mine = page_lane == lane
         local = pages // cp
+        lanes_used = np.unique(page_lane)
+        solo_lane = int(lanes_used[0]) if lanes_used.shape[0] == 1 else (0 if cp == 1 else -1)
 
         def table(sel: np.ndarray, limit: np.ndarray) -> PageTable:
             return PageTable(
@@ -382,6 +389,7 @@ class StepPlan:
             gather_order=_readonly(gather_order),
             last_token_owner=_readonly(last_token_owner),
             last_token_index=_readonly(last_token_index),
+            solo_lane=solo_lane,
             my_tokens=my_tokens,
             my_positions=_readonly(token_position[my_tokens]),
             my_local_slots=_readonly(token_local_slot[my_tokens]),

@@ -204,7 +204,11 @@ class LaneWorker:
         plan = StepPlan.build(step.sequences, self.cp_size, shard.page_size, self.lane)
         attn = CPAttention(self.group, plan, step.mode)
         logits, next_tokens, out, tokens, logits_dtype = {}, {}, None, None, "float32"
-        if step.probe is not None:
+        if attn.idle and step.probe is None:
+            # Another lane holds every page of this step (a short prompt, say) and runs it
+            # alone: no token here, nothing to exchange, so no layer either.
+            attn.skip()
+        elif step.probe is not None:
             out = self._probe(shard, plan, attn, step.probe, step.probe_rows)
             tokens = plan.my_tokens
         else:
