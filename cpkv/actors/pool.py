@@ -408,10 +408,10 @@ def _place_lanes(
     for ranks, gpu in _shared_gpus(infos):
         logger.warning(
             "lanes %s share one GPU (%s): packed lanes are for tests and development. "
-            "Measured on an H100 (Llama-3.2-1B shape), four lanes packed on it took 28 ms "
-            "for a 16-token prefill and 42 ms a decode step, against 11 and 3.3 ms at "
-            "cp_size=1 (docs/BENCHMARKS.md, 2026-12-07 (3)); give each lane a GPU of its "
-            "own for cp > 1 to pay off.",
+            "Measured on an H100 (Llama-3.2-1B shape), four lanes packed on it took 41-53 ms "
+            "a decode step at a context of a few pages, against 3.7 ms at cp_size=1 "
+            "(docs/BENCHMARKS.md, 2026-12-07 (5)); give each lane a GPU of its own for "
+            "cp > 1 to pay off.",
             ranks,
             gpu,
         )
