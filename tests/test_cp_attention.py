@@ -454,6 +454,27 @@ def test_one_lane_attends_fresh_requests_with_sdpa_and_the_rest_paged() -> None:
     group.destroy()
 
 
+def test_a_step_copies_to_the_device_only_what_its_route_reads() -> None:
+    group = LaneGroup.create(0, 1)
+    k_shard, v_shard = torch.zeros(4, 4, HKV, D), torch.zeros(4, 4, HKV, D)
+
+    def copied(prefix: int, mode: str) -> set[str]:
+        plan = StepPlan.build([StepSequence(prefix, 5 - prefix, np.array([1, 2]))], 1, 4, 0)
+        attn = CPAttention(group, plan, mode)
+        n = 5 - prefix
+        q, k, v = torch.randn(n, HQ, D), torch.randn(n, HKV, D), torch.randn(n, HKV, D)
+        for _ in range(2):  # two layers: the second copies nothing more
+            attn.forward(k_shard, v_shard, q, k, v, SCALE)
+        return set(attn._device_plans[q.device]._made)
+
+    assert copied(0, "auto") == {"my_local_slots"}  # SDPA over the new tokens
+    assert copied(3, "pass_q") == {"my_local_slots", "pass_q"}
+    assert copied(3, "pass_kv") == {
+        "my_local_slots", "my_positions", "my_cu_q", "new_pages", "new_rows", "history"
+    }  # fmt: skip
+    group.destroy()
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_lanes_match_single_device(world_size: int, lane_reports: list[dict]) -> None:
     lanes = phase_of(lane_reports, PHASES.index(world_size))

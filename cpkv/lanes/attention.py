@@ -50,7 +50,9 @@ Lanes owning no token of a step that is not solo still take part in every collec
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -166,16 +168,55 @@ class _DeviceExchange:
     pages: kernels.PagedKVTable
 
 
-@dataclass(slots=True)
 class _DevicePlan:
-    my_local_slots: torch.Tensor
-    my_positions: torch.Tensor
-    my_cu_q: torch.Tensor
-    my_max_q_len: int
-    pass_q: _DeviceExchange
-    history: _DeviceExchange | None
-    new_pages: kernels.PagedKVTable
-    new_rows: torch.Tensor
+    """The plan's arrays on one device, each copied there on its first use and kept for the
+    step's other layers: a route reads only its own (SDPA on one lane only the slots), and
+    each copy is a host-to-device transfer in the step."""
+
+    __slots__ = ("_device", "_made", "_plan")
+
+    def __init__(self, plan: StepPlan, device: torch.device) -> None:
+        self._plan, self._device = plan, device
+        self._made: dict[str, object] = {}
+
+    def _get(self, name: str, make: Callable[[StepPlan, torch.device], Any]) -> Any:
+        if name not in self._made:
+            self._made[name] = make(self._plan, self._device)
+        return self._made[name]
+
+    @property
+    def my_local_slots(self) -> torch.Tensor:
+        return self._get("my_local_slots", lambda p, d: _t(p.my_local_slots, d))
+
+    @property
+    def my_positions(self) -> torch.Tensor:
+        return self._get("my_positions", lambda p, d: _t(p.my_positions, d))
+
+    @property
+    def my_cu_q(self) -> torch.Tensor:
+        return self._get("my_cu_q", lambda p, d: _t(p.my_cu_q, d))
+
+    @property
+    def my_max_q_len(self) -> int:
+        return _max_len(self._plan.my_cu_q)
+
+    @property
+    def pass_q(self) -> _DeviceExchange:
+        return self._get("pass_q", lambda p, d: _exchange(p.pass_q, p.num_mine, d))
+
+    @property
+    def history(self) -> _DeviceExchange | None:
+        if self._plan.history is None:
+            return None
+        return self._get("history", lambda p, d: _exchange(p.history, p.num_mine, d))
+
+    @property
+    def new_pages(self) -> kernels.PagedKVTable:
+        return self._get("new_pages", lambda p, d: _table(p.new_pages, d))
+
+    @property
+    def new_rows(self) -> torch.Tensor:
+        return self._get("new_rows", lambda p, d: _t(p.new_rows, d))
 
 
 def _t(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -276,18 +317,7 @@ class CPAttention:
     def _device_plan(self, device: torch.device) -> _DevicePlan:
         dp = self._device_plans.get(device)
         if dp is None:
-            p = self.plan
-            dp = _DevicePlan(
-                my_local_slots=_t(p.my_local_slots, device),
-                my_positions=_t(p.my_positions, device),
-                my_cu_q=_t(p.my_cu_q, device),
-                my_max_q_len=_max_len(p.my_cu_q),
-                pass_q=_exchange(p.pass_q, p.num_mine, device),
-                history=None if p.history is None else _exchange(p.history, p.num_mine, device),
-                new_pages=_table(p.new_pages, device),
-                new_rows=_t(p.new_rows, device),
-            )
-            self._device_plans[device] = dp
+            dp = self._device_plans[device] = _DevicePlan(self.plan, device)
         return dp
 
     def _check(
