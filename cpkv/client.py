@@ -1078,7 +1078,8 @@ class CPKVClient:
         self, handles: list, what: str, rids: list, call_id: Hashable = None
     ) -> list[StepResult]:
         """Every lane's step result, in lane order. A dead lane is reported at once; a lane
-        whose step failed made the others fail it too (it left the lane group).
+        whose step failed made the others fail it too (it left the lane group), but for a
+        solo step (every page on that lane), which the others skipped.
 
         Raises:
             LaneUnavailableError: a lane died (its requests are lost).

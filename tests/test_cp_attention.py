@@ -584,6 +584,11 @@ def test_step_plan_names_the_lane_holding_every_page(pages: list, cp: int, want:
         assert [int(n) for n in plans[0].lane_counts] == [
             sum(len(p) * 4 - 3 for p in pages) if lane == want else 0 for lane in range(cp)
         ]
+    if want >= 0:  # nothing to exchange, whatever the link
+        assert exchange_costs(plans[0], HQ, HKV, D, 4, 4, 1e-3, 1e6) == {
+            "pass_q": 0.0,
+            "pass_kv": 0.0,
+        }
     for lane, plan in enumerate(plans):
         # Only the group's rank and size are read here: a stand-in will do.
         attn = CPAttention(SimpleNamespace(rank=lane, world_size=cp), plan, "auto")

@@ -114,6 +114,11 @@ def test_probe_attention_equals_sdpa(make_client, cp):
         out = c.decode(list(sequences), nxt, mode=mode, probe=probe)
         for i, s in enumerate(sequences.values()):
             close(out[i : i + 1], reference(np.concatenate([s, nxt[i : i + 1]]), len(s)))
+        # A prompt within one page: at cp > 1 its lane attends alone, the others skip it.
+        tiny = rng.integers(0, 200, size=3)
+        res = c.prefill("tiny", tiny, mode=mode, probe=qkv(tiny))
+        close(res.attention, reference(tiny, 0))
+        assert sum(res.lane_exchange_bytes) == 0
         report = c.check()
         assert report["ok"], report
 

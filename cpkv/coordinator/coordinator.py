@@ -579,7 +579,9 @@ class Coordinator:
     def _settle_steps(self) -> None:
         """Take in the outcome of every step whose lanes have all answered, or one of which
         failed: a success makes its K/V written, a failure marks its requests failed and
-        the lane group stale (the lanes left it). Never blocks; lock held."""
+        the lane group stale (the failing lane left it, and the others too but for a solo
+        step, which they skipped: they leave it when the next is built). Never blocks; lock
+        held."""
         if not self._inflight:
             return
         channel = self._channel
@@ -607,7 +609,7 @@ class Coordinator:
                     track.inflight -= 1
                 continue
             self.num_failed_steps += 1
-            self._supervisor.drop_group()  # every lane left the group: build a new one
+            self._supervisor.drop_group()  # the failing lane left the group: build a new one
             detail = f"step {sid} failed: {type(error).__name__}: {str(error)[:300]}"
             logger.warning("%s; its requests are marked failed", detail)
             for key, _length, track in st.lengths:

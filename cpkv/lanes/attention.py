@@ -100,10 +100,11 @@ def exchange_costs(
         bytes_per_s: bytes per second one lane receives in an all-gather.
 
     Returns:
-        ``{"pass_q": seconds, "pass_kv": seconds}``; 0 for both at ``cp_size == 1``.
+        ``{"pass_q": seconds, "pass_kv": seconds}``; 0 for both at ``cp_size == 1`` and for a
+        solo step (``plan.solo_lane``: nothing is exchanged).
     """
     cp = plan.cp_size
-    if cp == 1:
+    if cp == 1 or plan.solo_lane >= 0:
         return {"pass_q": 0.0, "pass_kv": 0.0}
     hq, hkv, d = num_q_heads, num_kv_heads, head_dim
     q_row, partial_row = hq * d * q_bytes, hq * (d + 1) * 4

@@ -204,10 +204,12 @@ class LaneWorker:
         plan = StepPlan.build(step.sequences, self.cp_size, shard.page_size, self.lane)
         attn = CPAttention(self.group, plan, step.mode)
         logits, next_tokens, out, tokens, logits_dtype = {}, {}, None, None, "float32"
-        if attn.idle and step.probe is None:
+        if attn.idle:
             # Another lane holds every page of this step (a short prompt, say) and runs it
-            # alone: no token here, nothing to exchange, so no layer either.
+            # alone: no token here, nothing to exchange, so no layer (nor probe copy) either.
             attn.skip()
+            if step.probe is not None:
+                out, tokens = torch.empty((0, *step.probe[0].shape[1:])), plan.my_tokens
         elif step.probe is not None:
             out = self._probe(shard, plan, attn, step.probe, step.probe_rows)
             tokens = plan.my_tokens
