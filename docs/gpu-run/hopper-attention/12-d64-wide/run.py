@@ -1,9 +1,9 @@
 """GPU: D=64's paired key tiles (128-key softmax steps) with taller query tiles: 128 rows at
 8 warps (FA3 runs D=64 at 192 x 128 over several warpgroups), with 2 and 3 stages, and 128
-rows at 4 warps, against the current config (64 rows, 4 warps), beside SDPA cuDNN and flash
-in the same process, causal 8k and 32k (32/8 heads, page 64, bf16: bench_attention.py's
-table). Each arm is timed twice, interleaved; every output is compared with the current
-config's and cuDNN's.
+rows at 4 warps; and two GQA heads a program sharing each K/V tile; against the current
+config (64 rows, 4 warps), beside SDPA cuDNN and flash in the same process, causal 8k and
+32k (32/8 heads, page 64, bf16: bench_attention.py's table). Each arm is timed twice,
+interleaved; every output is compared with the current config's and cuDNN's.
 
     PYTHONPATH=$PWD python3 docs/gpu-run/hopper-attention/12-d64-wide/run.py [T_in_k ...]
 """
@@ -26,6 +26,7 @@ ARMS = (
     {"block_m": 128, "num_warps": 8},
     {"block_m": 128, "num_warps": 8, "num_stages": 3},
     {"block_m": 128},
+    {"heads_per_program": 2},
 )
 
 
