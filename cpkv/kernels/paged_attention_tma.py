@@ -97,6 +97,10 @@ class TmaConfig:
 #   (docs/gpu-run/hopper-attention/11-pair-tiles/h100-2026-12-07.txt): D=64 0.857 -> 0.881x at
 #   8k, 0.922 -> 0.939x at 32k, 0.935 -> 0.939x at 128k (3 stages: no better); D=128 2.5x
 #   slower (two 128x64 score tiles at 4 warps), so D=64 only.
+# - D=64 with pairs and taller query tiles, H100, 2026-12-07 (5), same harness
+#   (docs/gpu-run/hopper-attention/12-d64-wide/h100-2026-12-07.txt): 128 rows at 4 warps
+#   0.879 -> 0.829x cuDNN at 8k, 0.937 -> 0.954x at 32k (within the arms' own 5% spread);
+#   128 rows at 8 warps 0.60-0.66x (2 or 3 stages); two GQA heads a program equal. Not kept.
 # - D=16 / 32 (tiny test models) and 256: not tuned.
 CONFIGS: dict[int, TmaConfig] = {
     16: TmaConfig(block_m=64, block_n=64, heads_per_program=1, num_warps=4, num_stages=2),
