@@ -32,7 +32,9 @@ class PrefillResult:
             greedy one).
         allocation: the step's :class:`ExtendAllocation` (``prefix_len`` shows prefix reuse).
         lane_seconds: each lane's time for the whole step (its work plus its waits).
-        mode: the attention exchange the step ran (``pass_q`` / ``pass_kv``).
+        mode: the attention exchange the step ran (``pass_q`` / ``pass_kv``; a step whose
+            pages all lie on one lane exchanges nothing and reports the mode asked for,
+            ``pass_q`` under ``auto``).
         attention: probe steps only: fp32 ``[extend_len, Hq, D]`` attention outputs.
         lane_wait_seconds: each lane's time inside the lanes' collectives (moving bytes and
             waiting for slower lanes); ``lane_seconds - lane_wait_seconds`` is its own work.

@@ -189,7 +189,9 @@ class StepResult:
         compute_s: seconds the lane spent on the step.
         wait_s: of which in the lanes' collectives.
         attention_s: of which in CP attention (its collectives included).
-        mode: the attention exchange the step used (``pass_q`` or ``pass_kv``).
+        mode: the attention exchange the step used (``pass_q`` or ``pass_kv``; for a step
+            whose pages all lie on one lane, which exchanges nothing, the mode asked for,
+            ``pass_q`` under ``auto``).
         exchange_bytes: bytes this lane sent in the attention exchanges.
         logits: ``{b: [vocab] np.ndarray}`` for the sequences ``b`` whose last new token
             this lane computed (model steps), as :attr:`logits_dtype` says
