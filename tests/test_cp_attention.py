@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from cpkv.core.owners import build_owner_plan
 from cpkv.core.steps import StepSequence
+from cpkv.kernels._common import HAS_TRITON, interpreter_enabled
 from cpkv.lanes.attention import MODES, CPAttention, exchange_costs, lane_exchange_bytes
 from cpkv.lanes.comm import LaneGroup, choose_backend, free_port
 from cpkv.lanes.ipc_device import FakeIpcDevice
@@ -429,11 +430,24 @@ def check_phase(lanes: list[dict], world_size: int, backend: str) -> None:
 # --- tests ---
 
 
-def test_world_size_1_in_process() -> None:
+def test_world_size_1_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     group = LaneGroup.create(0, 1)
     assert group.backend == "none"
     assert group.measure() == {"latency_s": 0.0, "bytes_per_s": float("inf")}
-    results = [summary(run_case(group, c)) for c in build_cases(1)]
+    cases = build_cases(1)
+    # On CPU: every case with the kernels' torch references, as the spawned lanes run them;
+    # then, where the interpreter is on (the suite: the kernel tests turn it on before Triton
+    # loads, which it needs), page 4's cases of auto (SDPA or pass-Q) and pass-KV (its
+    # temporary pages and merge), the bf16 batch among them, with the Triton kernels,
+    # launched as the attention launches them (~10x slower).
+    interpreted = DEVICE.type == "cpu" and HAS_TRITON and interpreter_enabled()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    results = [summary(run_case(group, c)) for c in cases]
+    if interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        picked = [c for c in cases if c.mode in ("auto", "pass_kv") and c.page_size == 4]
+        assert len(picked) == 2 * (len(scenarios(1, 4)) + 1)
+        results += [summary(run_case(group, c)) for c in picked]
     failures = [f"{r['id']}: {e}" for r in results for e in r["errors"]]
     assert not failures, "\n".join(failures)
     assert all(r["bytes"] == 0 and r["wait_s"] == 0 for r in results)
