@@ -1,7 +1,8 @@
 """Ray Compiled Graphs against ordinary actor calls, for the coordinator -> lanes dispatch
 (issue 22 item 2): what a round to ``cp`` actors and a single call cost each way, on the same
 actors in one run. The actors echo their argument, so this is Ray's own per-call cost, the
-floor under a step's fixed cost; cpkv's dispatch does not use compiled graphs (yet).
+floor under a step's fixed cost (cpkv's own graphs: ``compiled_steps=True`` and the clients'
+step graphs, timed in ``bench_steps.py``).
 
     python benchmarks/bench_compiled_graph.py [--cp 4] [--iters 300]
 

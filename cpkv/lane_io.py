@@ -19,7 +19,7 @@ import numpy as np
 from cpkv.core.config import KVShape
 from cpkv.core.layout import PageLayout
 from cpkv.core.validate import check_int
-from cpkv.errors import InvalidRequestError, LaneUnavailableError, RequestTimeoutError
+from cpkv.errors import CPKVError, InvalidRequestError, LaneUnavailableError, RequestTimeoutError
 
 __all__ = ["LaneIO", "actor_death"]
 
@@ -125,6 +125,12 @@ class LaneIO:
                 ) from None
             except actor_death(ray) as e:
                 raise self._lane_lost(r, what, f"{what}: {type(e).__name__}") from None
+            except ray.exceptions.RayTaskError as e:
+                # A lane's refusal arrives as Ray's subclass of it, its message behind the
+                # lane's traceback: raise the lane's own error, as the coordinator's arrive.
+                if isinstance(e.cause, CPKVError):
+                    raise e.cause from None
+                raise
         return out
 
     def _layer(self, layer: object) -> int:

@@ -152,8 +152,11 @@ def test_two_jobs_requests_and_pages_never_meet(make_client, attach):
     hit = b.allocate_extend("req-1", np.arange(40))
     assert hit.cached_len == 36
     assert torch.equal(b.gather_kv(hit.cached_slots)[0], k[:36])
-    with pytest.raises(InvalidRequestError, match="cached"):
+    with pytest.raises(InvalidRequestError, match="cached") as refused:
         b.store_kv(hit.cached_slots, k[:36] * 0 + 7, k[:36])
+    # The lane's own error, as the client's calls raise them (not Ray's wrapper of it).
+    assert type(refused.value) is InvalidRequestError
+    assert str(refused.value).startswith("lane "), str(refused.value)
     assert a.check()["ok"]
 
 

@@ -6,12 +6,13 @@ takes, and the SASS counts that tell the kernel's structure: HGMMA (tensor-core 
 MUFU.EX2 (exponentials), USETMAXREG (register moves between the warpgroups of a
 warp-specialised kernel). Or the compiler's failure.
 
-    python docs/gpu-run/hopper-attention/9-halves-ws/compile_sm90.py 128 128 64 4 3 \
-        HALVES=True WARP_SPECIALIZE=True
+    python docs/gpu-run/hopper-attention/9-halves-ws/compile_sm90.py 64 64 64 4 2 \
+        PAIR_TILES=True
 
 Arguments: head dim, block_m, block_n, warps, stages, then NAME=VALUE for any other
-constexpr of the kernel (True/False/ints). ``SASS_OUT=path`` in the environment writes the
-disassembly there.
+constexpr of the kernel (True/False/ints; a name the kernel lacks is refused: ``HALVES``
+belonged to the halves variant, ``halves.patch`` beside this script). ``SASS_OUT=path`` in
+the environment writes the disassembly there.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ def main() -> None:
     }  # fmt: skip
     consts: dict[str, object] = dict(
         N_HEADS=32, GROUP=4, PAGE_SIZE=max(64, bn), HEAD_DIM=d, HP=1, BLOCK_M=bm, BLOCK_N=bn,
-        SCAN=32, WARP_SPECIALIZE=False, HEADS_FIRST=False, UPCAST=False, HALVES=False,
-        EXP_POLY=0, LAZY_RESCALE=False,
+        SCAN=32, WARP_SPECIALIZE=False, HEADS_FIRST=False, PAIR_TILES=False, UPCAST=False,
+        HALVES=False, EXP_POLY=0, LAZY_RESCALE=False,
     )  # fmt: skip
     for arg in sys.argv[6:]:
         name, value = arg.split("=")
+        if name not in fn.arg_names:
+            sys.exit(f"{name} is not an argument of this kernel: {', '.join(fn.arg_names)}")
         consts[name] = int(value) if value.isdigit() else value == "True"
+    # Defaults of experiments' variants (HALVES, EXP_POLY, ...) the kernel may not have.
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {a: ("constexpr" if a in consts else types[a]) for a in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
