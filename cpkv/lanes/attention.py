@@ -199,7 +199,7 @@ class _DevicePlan:
 
     @property
     def my_max_q_len(self) -> int:
-        return _max_len(self._plan.my_cu_q)
+        return _max_len(self._plan.my_cu_q)  # host-side, nothing to copy
 
     @property
     def pass_q(self) -> _DeviceExchange:
@@ -431,19 +431,22 @@ class CPAttention:
         out_dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Partials of this lane's subset queries from every lane: ``[cp, m, Hq, D]``, ``[cp,
-        m, Hq]`` (``m = counts[lane]``, rows in ``my_rows`` order). At cp_size 1 the one partial
-        comes in ``out_dtype`` (nothing to pack or merge); exchanged partials are fp32."""
+        m, Hq]`` (``m = counts[lane]``, rows in ``my_rows`` order). At cp_size 1 and on a solo
+        step the one partial comes in ``out_dtype`` (nothing to gather, pack or merge);
+        exchanged partials are fp32."""
         g = self.group
         cp, me = g.world_size, g.rank
         _, hq, d = q.shape
         rows = _rows(q, x.my_rows)
-        gathered = g.all_gather_rows(rows.contiguous(), x.counts)
+        # A solo step's queries are all this lane's: the other lanes skip the round.
+        gathered = rows if self.solo else g.all_gather_rows(rows.contiguous(), x.counts)
         q_sorted = _rows(gathered, x.sorted_to_gathered)
+        one = cp == 1 or self.solo
         out, lse = self._attend(
             q_sorted, x.positions, x.cu_q, x.max_q_len, k_shard, v_shard, x.pages, sm_scale,
-            out_dtype if cp == 1 else torch.float32,
+            out_dtype if one else torch.float32,
         )  # fmt: skip
-        if cp == 1:  # nothing to exchange: no packing, no copies
+        if one:  # nothing to exchange: no packing, no copies
             return _rows(out, x.gathered_to_sorted)[None], _rows(lse, x.gathered_to_sorted)[None]
         n = q_sorted.shape[0]
         # out and lse travel together: one fp32 row of Hq * (D + 1) per query.
@@ -577,16 +580,10 @@ class CPAttention:
         self.last_mode = mode
         if self._dense:
             return self._dense_attention(q, k, v, sm_scale)
-        if self.solo:
-            x = dp.pass_q  # every query is this lane's and every key in its shard
-            out, _ = self._attend(
-                _rows(q, x.sorted_to_gathered), x.positions, x.cu_q, x.max_q_len, k_shard,
-                v_shard, x.pages, sm_scale, q.dtype,
-            )  # fmt: skip
-            return _rows(out, x.gathered_to_sorted)
-        if mode == "pass_kv":
+        if mode == "pass_kv" and not self.solo:  # a solo step's keys are all in its shard
             return self._pass_kv(dp, k_shard, v_shard, q, k, v, sm_scale)
-        # At cp_size 1 the one partial is the whole attention: it comes in q's dtype.
+        # At cp_size 1 and on a solo step the one partial is the whole attention: it comes
+        # in q's dtype.
         outs, lses = self._pass_q_round(dp.pass_q, q, k_shard, v_shard, sm_scale, q.dtype)
         if outs.shape[0] == 1:
             return outs[0]

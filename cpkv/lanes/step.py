@@ -315,8 +315,8 @@ class StepPlan:
         page_lane = pages % cp
         mine = page_lane == lane
         local = pages // cp
-        lanes_used = np.unique(page_lane)
-        solo_lane = int(lanes_used[0]) if lanes_used.shape[0] == 1 else (0 if cp == 1 else -1)
+        # NOTE: every request has a page (extend_len >= 1), so page_lane is never empty.
+        solo_lane = int(page_lane[0]) if page_lane.min() == page_lane.max() else -1
 
         def table(sel: np.ndarray, limit: np.ndarray) -> PageTable:
             return PageTable(
