@@ -360,7 +360,7 @@ class LaneSupervisor:
                 down = [r for r, row in enumerate(self._lanes) if row.state != UP]
                 drops = self._group_drops
             if down:
-                return self._unavailable(f"lanes {down} are restarting; no step can run")
+                return self.unavailable(f"lanes {down} are restarting; no step can run")
             cp = len(self._lanes)
             try:
                 if self._backend is None:
@@ -368,7 +368,7 @@ class LaneSupervisor:
                     self._backend = choose_backend([device_id(i) for i in infos])
                 host, port = self._channel.call(0, "rendezvous_address", timeout=timeout_s)
             except Exception as e:  # a lane died meanwhile: the heartbeat will see it
-                return self._unavailable(f"could not build the lane group ({type(e).__name__})")
+                return self.unavailable(f"could not build the lane group ({type(e).__name__})")
             with self._lock:
                 self._group_count += 1
                 gid = group_id(self._epoch, self._group_count)
@@ -377,7 +377,7 @@ class LaneSupervisor:
                 # NOTE: a group dropped while this one was built is stale already: the step
                 # that asked backs off (the next builds another) instead of failing.
                 if self._group_drops != drops:
-                    return self._unavailable("the lane group changed while it was built")
+                    return self.unavailable("the lane group changed while it was built")
                 self._group_id = gid
                 return gid
 
@@ -396,11 +396,8 @@ class LaneSupervisor:
         self._group_drops += 1
 
     def unavailable(self, message: str) -> KVCapacityWaitError:
-        """:meth:`_unavailable` for the coordinator's own checks."""
-        return self._unavailable(message)
-
-    def _unavailable(self, message: str) -> KVCapacityWaitError:
-        """A step cannot run until every lane serves: back off and retry."""
+        """A step cannot run until every lane serves (or its group is current): back off and
+        retry."""
         zeros = [0] * len(self._lanes)
         return KVCapacityWaitError(
             message,
