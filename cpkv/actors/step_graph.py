@@ -137,12 +137,9 @@ class StepGraph:
             teardown_quietly(graph)
             if self._teardown_thread is not None:
                 self._teardown_thread.join(timeout_s)
-            if self._claimed and (
-                self._teardown_thread is None or not self._teardown_thread.is_alive()
-            ):
+            if self._teardown_thread is None or not self._teardown_thread.is_alive():
                 # A slot whose loop is still stuck stays taken (its lease gives it up).
-                self._claimed = False
-                self._quiet_call("release_step_graph")
+                self._release_slot()
         finally:
             self._lock.release()
 
@@ -165,9 +162,7 @@ class StepGraph:
             # a client that dies idle would take it with it, counted lost for good. Given
             # back under the lock: a build meanwhile would claim first, and this release
             # then free the slot its new graph holds (a step falls back to a plain call).
-            if self._claimed:
-                self._claimed = False
-                self._quiet_call("release_step_graph")
+            self._release_slot()
             return self.idle_s
         finally:
             self._lock.release()
@@ -252,6 +247,10 @@ class StepGraph:
         """An abandoned graph's teardown, then its slot given back (no build claims another
         while this thread lives)."""
         teardown_quietly(graph)
+        self._release_slot()
+
+    def _release_slot(self) -> None:
+        """Give the coordinator's graph slot back, if this client holds one (its loop ended)."""
         if self._claimed:
             self._claimed = False
             self._quiet_call("release_step_graph")
