@@ -42,12 +42,7 @@ import ray
 from ray.dag import InputNode, MultiOutputNode
 from ray.exceptions import RayCgraphCapacityExceeded
 
-from cpkv.actors.graphs import (
-    IDLE_TEARDOWN_S,
-    compile_unowned,
-    read_ready_outputs_first,
-    teardown_quietly,
-)
+from cpkv.actors.graphs import IDLE_TEARDOWN_S, compile_unowned, teardown_quietly
 from cpkv.actors.wire import pack, unpack
 from cpkv.coordinator.channel import LaneDeadError, StepAborted
 from cpkv.core.steps import LaneReply, StepPacket
@@ -90,9 +85,6 @@ class CompiledSteps:
         self, lanes: list, build_timeout_s: float = 120.0, idle_s: float = IDLE_TEARDOWN_S
     ) -> None:
         self._lanes = list(lanes)
-        # The lanes that answered are read while one still computes (a solo step's idle
-        # lanes, say), not after it.
-        read_ready_outputs_first()
         self._epoch = ""
         self._build_timeout_s = build_timeout_s
         self._idle_s = idle_s
