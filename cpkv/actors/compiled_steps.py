@@ -23,6 +23,14 @@ reads them. A write that fails for want of room (``RayCgraphCapacityExceeded``, 
 before anything is written) leaves the step to the graph thread; any other failed write may
 have reached some lanes only, so the graph is torn down and the step fails.
 
+NOTE: Ray reads a round's answers lane by lane, waiting on each up to its read iteration
+(0.1 s) before it tries the next, so the lanes that answered while one still computes are
+read after it. Lowering that wait (a process-wide setting) to 0.25 ms in the coordinator
+read them meanwhile (a round whose first of 4 actors was 4 ms late: 0.26-0.29 -> 0.16 ms after
+its answer, H100 box) but gained nothing through the API and made every graph loop in the
+coordinator's process raise a timeout each 0.25 ms while it waits: its ordinary calls went
+from 0.88-0.94 to 1.45-2.05 ms (docs/BENCHMARKS.md, 2026-12-07 (6)). Not kept.
+
 NOTE: a graph's reader waits for its next input by polling (Ray 2.60's channel read spins
 on ``sched_yield``): measured on the 2-core machine, an idle lane's graph loop used 97% of a
 core. So a graph no step used for :data:`IDLE_TEARDOWN_S` is torn down, and the next step
