@@ -1,7 +1,11 @@
 """Run a script with glibc's thresholds fixed in this process only (mallopt), as a client
 that called cpkv.actors.malloc.fix_malloc_thresholds() would."""
-import runpy, sys
+
+import runpy
+import sys
+
 from cpkv.actors.malloc import fix_malloc_thresholds
+
 assert fix_malloc_thresholds()
 sys.argv = sys.argv[1:]
 sys.path.insert(0, "benchmarks")
