@@ -1,10 +1,11 @@
 """A client's steps through a compiled graph to the coordinator (``cpkv.actors.StepGraph``).
 
 Without Ray: the coordinator's graph slots (granted, given back, lost with a lease that
-closed or lapsed holding one). Through Ray: steps go through the graph and answer as
-ordinary calls do; a client refused a slot sends them as ordinary calls; a step that times
-out in the graph is retried by its call id; a restarted coordinator gets a new graph; and a
-client process that exits, cleanly or not, never takes the coordinator with it.
+closed or lapsed holding one; given back by a build that failed after its claim). Through
+Ray: steps go through the graph and answer as ordinary calls do; a client refused a slot
+sends them as ordinary calls; a step that times out in the graph is retried by its call id;
+a restarted coordinator gets a new graph; and a client process that exits, cleanly or not,
+never takes the coordinator with it.
 """
 
 from __future__ import annotations
@@ -79,6 +80,54 @@ def test_a_lease_closed_or_lapsed_holding_a_slot_loses_it_and_a_released_one_doe
     assert (stats["step_graphs"], stats["step_graphs_lost"]) == (0, 2)
     assert coord.claim_step_graph("d") and not coord.claim_step_graph("e")
     ok(coord.allocate_extend(coord.epoch, "d", None, "r", np.arange(1, 9)))  # no other change
+
+
+def test_a_build_that_fails_after_its_claim_gives_the_slot_back(monkeypatch):
+    """The claim comes first; a graph that cannot be compiled, or whose coordinator loop does
+    not answer its first run, holds no loop: its slot goes back at once (a client that died
+    before building again would otherwise take it with it, lost for good)."""
+    import types
+
+    import ray
+
+    import cpkv.actors.step_graph as step_graph
+
+    slots = GraphSlots(1)
+    torn_down = []
+
+    class NoLoop:  # the coordinator's loop never answers the first run
+        def execute(self, _data):
+            return types.SimpleNamespace(get=lambda timeout=None: _raise(TimeoutError("no loop")))
+
+        def teardown(self):
+            torn_down.append(self)
+
+    def method(fn):
+        return types.SimpleNamespace(remote=fn, bind=lambda *_args: None)
+
+    coordinator = types.SimpleNamespace(
+        claim_step_graph=method(slots.claim),
+        release_step_graph=method(slots.release),
+        run_step=method(None),
+    )
+    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)  # the fake answers values
+    for compile_graph in (lambda _node: NoLoop(), lambda _node: _raise(RuntimeError("compile"))):
+        monkeypatch.setattr(step_graph, "compile_unowned", compile_graph)
+        graph = step_graph.StepGraph(coordinator, "c1", build_timeout_s=0.1)
+        try:
+            with pytest.raises(step_graph.GraphUnavailable, match="not built"):
+                graph.run(("decode",), 1.0)
+            assert slots.num_held == 0 and slots.claim("c2")  # free for another client
+            slots.release("c2")
+            slots.abandon("c1")  # its lease lapses: nothing of it is lost
+            assert slots.num_lost == 0 and slots.num_free == 1
+        finally:
+            graph.close()  # while ray.get is the fake (its exit hook would start a Ray)
+    assert len(torn_down) == 1  # the graph that was compiled, not the one that was not
+
+
+def _raise(error: BaseException):
+    raise error
 
 
 def test_a_coordinator_without_slots_grants_none():

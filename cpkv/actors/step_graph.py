@@ -215,14 +215,18 @@ class StepGraph:
         if not self._claimed:
             raise GraphUnavailable("the coordinator has no free graph slot")
         t0 = time.perf_counter()
-        with InputNode() as call:
-            node = self._coord.run_step.bind(call)
-        graph = compile_unowned(node)
+        graph = None
         try:
+            with InputNode() as call:
+                node = self._coord.run_step.bind(call)
+            graph = compile_unowned(node)
             # The first run waits for the coordinator's loop to start: done here, not in a step.
             graph.execute(pack(("ping",))).get(timeout=self._build_timeout_s)
         except BaseException:
             teardown_quietly(graph)
+            # NOTE: no loop holds the slot now: it goes back, or a client that dies before
+            # its next build would take it with it (counted lost for good).
+            self._release_slot()
             raise
         self._graph = graph
         self._last_step = time.monotonic()
