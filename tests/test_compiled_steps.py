@@ -145,6 +145,41 @@ def test_a_step_that_could_not_be_sent_gives_its_moves_back(compiled):
     assert ch.num_riding_moves == 0 and ch.num_waiting_moves == 0
 
 
+def test_the_moves_of_a_step_that_reached_no_lane_go_again_before_those_decided_later(compiled):
+    """A step whose graph could not be built (StepNotSent) took its lanes' moves to ride in
+    it: no lane saw them, and every later fence names them. They go at once as ordinary
+    calls, ahead of the moves held back behind the next step (which waits for them at the
+    lane); a step that broke after it was written (StepAborted) sends nothing again."""
+    from cpkv.coordinator.channel import StepNotSent
+
+    ch, transport = compiled
+    ch.send_moves(0, np.array([1], I32), np.empty(0, I32), "prefill")  # seq 1, rides in 1
+    ch.send_moves(1, np.array([2], I32), np.empty(0, I32), "prefill")  # seq 1, rides in 1
+    first = ch.submit_steps("step 1")
+    ch.send_moves(0, np.array([3], I32), np.empty(0, I32), "prefill")  # seq 2, rides in 2
+    ch.submit_steps("step 2")
+    ch.send_moves(0, np.empty(0, I32), np.array([3], I32), "free")  # seq 3, held back
+    ch.flush()
+    (packet1, replies1), (packet2, replies2) = transport.packets
+    assert packet2.fences[0] == (ch.generation(0), 1)  # step 2 expects step 1's move
+    why = "the step's graph broke with every lane alive: RuntimeError: build"
+    replies1.set_result([LaneReply(error=StepNotSent(why))] * 2)
+    _wait_calls(transport, 2)  # step 2 still in flight: only step 1's moves go, each alone
+    assert [(c[0], c[1]) for c in transport.calls] == [(0, "apply_moves"), (1, "apply_moves")]
+    assert [[m[1] for m in c[2][0]] for c in transport.calls] == [[1], [1]]
+    assert ch.num_riding_moves == 1 and ch.num_waiting_moves == 1  # step 2's; the free
+    with pytest.raises(StepNotSent):
+        ch.outcome(first[0].result(timeout=5)[1], 0)
+    replies2.set_result([LaneReply(error=StepAborted("lane 1 died"))] * 2)
+    _wait_calls(transport, 3)  # then the held-back free; step 2's move is not sent again
+    assert [m[1] for m in transport.calls[2][2][0]] == [3] and len(transport.calls) == 3
+    deadline = time.monotonic() + 5
+    while ch.num_pending:  # the resent moves answered as ordinary calls
+        assert ch.poll() == [] and time.monotonic() < deadline
+        time.sleep(0.001)
+    del packet1
+
+
 def test_moves_held_back_ride_in_the_next_step_instead(compiled):
     ch, transport = compiled
     ch.submit_steps("step 1")
@@ -474,14 +509,15 @@ def test_steps_sent_while_the_graph_builds_are_written_in_order_by_the_graph_thr
 
 
 def test_a_failed_build_answers_its_steps_and_leaves_none_pending(monkeypatch):
-    from cpkv.coordinator.channel import LaneDeadError, StepAborted
+    from cpkv.coordinator.channel import LaneDeadError, StepNotSent
 
     log: list = []
     steps = _steps(monkeypatch, [RuntimeError("a lane is gone"), _Graph(log, 2)], dead={1})
     # The error names no actor: a ping tells the dead lane from the live one.
     live, gone = steps.execute(_packet(1)).result(timeout=10)
     assert isinstance(gone.error, LaneDeadError)
-    assert isinstance(live.error, StepAborted) and "lane 1 died" in str(live.error)
+    # No lane got it: its riding moves go again (StepNotSent, a StepAborted to the client).
+    assert isinstance(live.error, StepNotSent) and "lane 1 died" in str(live.error)
     assert steps._num_unwritten == 0 and steps.num_breaks == 1
     assert _values(steps.execute(_packet(2)))[0][1] == "lane 0 step 2"  # built again
     assert log == [("cpkv-graph", 2)]
@@ -522,7 +558,7 @@ def test_a_ping_tells_dead_lanes_from_slow_and_live_ones(monkeypatch):
 
 
 def test_a_write_that_fails_midway_fails_its_step_and_the_graph_is_built_again(monkeypatch):
-    from cpkv.coordinator.channel import StepAborted
+    from cpkv.coordinator.channel import StepAborted, StepNotSent
 
     log: list = []
     broken = _Graph(log, 2, fail_writes=[RuntimeError("channel closed")])
@@ -533,6 +569,7 @@ def test_a_write_that_fails_midway_fails_its_step_and_the_graph_is_built_again(m
     # step failed and no lane is reported lost (each would be reset, its requests lost).
     for reply in steps.execute(_packet(1)).result(timeout=10):
         assert isinstance(reply.error, StepAborted) and "every lane alive" in str(reply.error)
+        assert not isinstance(reply.error, StepNotSent)  # its moves are not sent again
     assert broken.torn_down and steps._num_unwritten == 0 and log == []
     assert _values(steps.execute(_packet(2)))[0][1] == "lane 0 step 2"
     assert log == [("cpkv-graph", 2)] and steps.num_builds == 2

@@ -52,7 +52,7 @@ from ray.exceptions import RayCgraphCapacityExceeded
 
 from cpkv.actors.graphs import IDLE_TEARDOWN_S, compile_unowned, teardown_quietly
 from cpkv.actors.wire import pack, unpack
-from cpkv.coordinator.channel import LaneDeadError, StepAborted
+from cpkv.coordinator.channel import LaneDeadError, StepAborted, StepNotSent
 from cpkv.core.steps import LaneReply, StepPacket
 from cpkv.lane_io import actor_death
 
@@ -68,6 +68,10 @@ _BUILD = object()
 # How long a lane may take to answer the ping that tells a dead lane from a live one after a
 # break that names no actor (a live lane answers in milliseconds once the graph is down).
 _PROBE_S = 5.0
+
+
+class _NotWritten(Exception):
+    """A queued step's graph could not be built: no lane got the step."""
 
 
 class _WriteFailed:
@@ -188,8 +192,10 @@ class CompiledSteps:
         try:
             if self._graph is None:
                 self._build()
-        except BaseException:
+        except BaseException as e:
             self._drop_unwritten()
+            if isinstance(e, Exception):
+                raise _NotWritten(f"{type(e).__name__}: {e}") from e
             raise
         with self._write_lock:
             self._num_unwritten -= 1  # written or failed: either way no longer pending
@@ -221,17 +227,20 @@ class CompiledSteps:
             logger.warning("compiled steps: %s: %s; rebuilt at the next step", type(e).__name__, e)
             self.num_breaks += 1
             self._teardown(graph)
-            dead = self._lane_of(e)
+            # A step no lane got says so: the moves riding in it go again (LaneChannel).
+            aborted = StepNotSent if isinstance(e, _NotWritten) else StepAborted
+            cause = e.__cause__ if isinstance(e, _NotWritten) and e.__cause__ else e
+            dead = self._lane_of(cause)
             dead_lanes = {dead} if dead is not None else self._dead_lanes()
-            detail = f"{type(e).__name__}: {str(e)[:300]}"
+            detail = f"{type(cause).__name__}: {str(cause)[:300]}"
             if not dead_lanes:  # every lane answers: the step is lost, no lane with it
                 why = f"the step's graph broke with every lane alive: {detail}"
-                return [LaneReply(error=StepAborted(why)) for _ in self._lanes]
+                return [LaneReply(error=aborted(why)) for _ in self._lanes]
             named = ", ".join(map(str, sorted(dead_lanes)))
             return [
                 LaneReply(error=LaneDeadError(detail))
                 if r in dead_lanes
-                else LaneReply(error=StepAborted(f"lane {named} died: {detail}"))
+                else LaneReply(error=aborted(f"lane {named} died: {detail}"))
                 for r in range(len(self._lanes))
             ]
         self.num_runs += 1

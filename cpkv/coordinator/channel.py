@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -46,6 +47,7 @@ __all__ = [
     "LaneUnreachableError",
     "StepAborted",
     "StepHandles",
+    "StepNotSent",
 ]
 
 # How long a decided page move may wait for a step to carry it before it is sent on its
@@ -71,6 +73,11 @@ class LaneUnreachableError(LaneDeadError):
 
 class StepAborted(RuntimeError):
     """A compiled step's run ended because another lane died: this lane's answer is lost."""
+
+
+class StepNotSent(StepAborted):
+    """A compiled step that reached no lane (its graph could not be built): the page moves
+    riding in it go again as ordinary calls."""
 
 
 class LaneTransport(Protocol):
@@ -326,7 +333,8 @@ class LaneChannel:
             raise
         self.num_calls += 1
         if any(m is not None for m in moves):
-            replies.add_done_callback(_answer_moves(moves))
+            # NOTE: before _step_answered: moves held back behind this step go after these.
+            replies.add_done_callback(self._moves_answer(batches, moves))
         replies.add_done_callback(self._step_answered)
         # NOTE: one future for every lane's answer, not a future and a wrapper a lane:
         # this side of a step 53-82 -> 33-42 us at cp 4 on the 2-core machine
@@ -348,6 +356,48 @@ class LaneChannel:
                     self.num_riding_moves -= len(batch)
                     self._waiting[lane][:0] = batch
                     self._send_or_hold(lane)
+
+    def _moves_answer(
+        self, batches: list[tuple | None], moves: list[Future | None]
+    ) -> Callable[[Future], None]:
+        """A callback that answers the moves that rode with a compiled step by each lane's
+        status (its error when the step failed there); a step that reached no lane sends
+        them again instead (:meth:`_resend`)."""
+
+        def answer(replies: Future) -> None:
+            unsent: list[tuple | None] = [None] * self.cp_size
+            for lane, (move, reply) in enumerate(zip(moves, replies.result(), strict=True)):
+                if move is None:
+                    continue
+                if isinstance(reply.error, StepNotSent):
+                    unsent[lane] = batches[lane]
+                else:
+                    move.set_result(_split(reply)[0])
+            if any(b is not None for b in unsent):
+                taken = [m if b is not None else None for m, b in zip(moves, unsent, strict=True)]
+                self._resend(unsent, taken)
+
+        return answer
+
+    def _resend(self, batches: list[tuple | None], moves: list[Future | None]) -> None:
+        """The moves of a compiled step that reached no lane, each lane's as one ordinary
+        call now. NOTE: they need not wait for steps in flight, as moves decided later do:
+        every step before this one was answered first (one thread reads them in order), so
+        no move of an earlier step is still on its way; and a later step's fence names
+        them, so it waits for them at the lane."""
+        taken = {id(m) for m in moves if m is not None}
+        with self._pending_lock:
+            self._pending = deque(p for p in self._pending if id(p[3]) not in taken)
+        for move in moves:  # a back-pressure wait on one of them ends now
+            if move is not None:
+                move.cancel()
+        with self._waiting_lock:
+            for lane, batch in enumerate(batches):
+                if batch is None or batch[0][0] != self._generations[lane]:
+                    continue  # the lane was reset since: its old moves no longer matter
+                self.num_riding_moves -= len(batch)
+                self._outbox.put((lane, "apply_moves", (batch,), self._track(lane, batch, False)))
+                self.num_calls += 1
 
     def call(self, lane: int, method: str, *args: Any, timeout: float) -> Any:
         """Queue a lane call and wait for its result (never call this holding a lock
@@ -507,15 +557,3 @@ def _split(reply: LaneReply) -> tuple[LaneReply, LaneReply]:
         return reply, reply
     status, result = reply.value
     return LaneReply(status), LaneReply(result)
-
-
-def _answer_moves(moves: list[Future | None]):
-    """A callback that answers the moves that rode with a compiled step by each lane's
-    status (its error when the step failed there)."""
-
-    def answer(replies: Future) -> None:
-        for move, reply in zip(moves, replies.result(), strict=True):
-            if move is not None:
-                move.set_result(_split(reply)[0])
-
-    return answer
