@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import pickle
 import random
 import threading
 import time
@@ -344,6 +345,9 @@ class CPKVClient:
         self._hello_args = (self.client_id, lease_s, namespace, process_holder())
         hello = self._get(self._coord.hello.remote(*self._hello_args), "hello")
         self._epoch: str = hello["epoch"]
+        # The coordinator died under a call: its restart has a new epoch (and key) to take
+        # before the next call, or that call would be refused as from the old one.
+        self._epoch_stale = False
         self.config: CPConfig = hello["config"]
         self.kv: KVShape = hello["kv"]
         self.lanes: list = hello["lanes"]
@@ -468,6 +472,8 @@ class CPKVClient:
         call_id = self._call_id(call_id)
         retries = self.call_retries if retries is None else retries
         for attempt in range(retries + 1):
+            if self._epoch_stale:
+                yield from self._rehello()
             call = (self._epoch, self.client_id, call_id, *args)
             packed = method in PACKED_CALLS
             self._check_open()
@@ -488,6 +494,16 @@ class CPKVClient:
             hash(call_id)
         except TypeError:
             raise InvalidRequestError(f"call_id={call_id!r} must be hashable") from None
+        # The coordinator knows a repeat by equality with the id it got, a copy: an id
+        # unequal to its copy (a NaN in it) would run the call again on every retry.
+        try:
+            same = pickle.loads(pickle.dumps(call_id)) == call_id
+        except Exception:
+            same = False
+        if not same:
+            raise InvalidRequestError(
+                f"call_id={call_id!r} must equal a copy of itself (no NaN) and be picklable"
+            )
         return call_id
 
     def _take_fence(self, out):
@@ -525,6 +541,7 @@ class CPKVClient:
             return RequestTimeoutError(f"{what}: no answer within {self.timeout_s}s")
         if isinstance(e, actor_death(ray)):
             self._lose_all()
+            self._epoch_stale = True
             return CoordinatorUnavailableError(
                 f"{what}: coordinator died ({type(e).__name__})", self._take_lost()
             )
@@ -533,18 +550,28 @@ class CPKVClient:
     def _unwrap(self, out):
         if isinstance(out, CoordinatorUnavailableError):
             self._lose_all()
-            hello = self._ray.get(
-                self._coord.hello.remote(*self._hello_args), timeout=self.timeout_s
+            self._take_hello(
+                self._ray.get(self._coord.hello.remote(*self._hello_args), timeout=self.timeout_s)
             )
-            self._epoch = hello["epoch"]
-            self._hasher = _hasher(self.config, hello)  # a new coordinator: a new key
-            self._move_flush_s = hello.get("move_flush_s", 0.0)
             raise CoordinatorUnavailableError(out.detail, self._take_lost())
         if isinstance(out, (LaneUnavailableError, LeaseExpiredError)):
             self._forget(out.rids)
         if isinstance(out, BaseException):
             raise out
         return out
+
+    def _rehello(self) -> _Call:
+        """Greet the restarted coordinator (a call found the last one dead) and take its
+        epoch; while it is still down this raises CoordinatorUnavailableError again."""
+        hello = yield self._open_coord().hello.remote(*self._hello_args), "hello"
+        self._take_hello(hello)
+
+    def _take_hello(self, hello: dict) -> None:
+        """A (restarted) coordinator's epoch and page key: a new coordinator, a new key."""
+        self._epoch = hello["epoch"]
+        self._hasher = _hasher(self.config, hello)
+        self._move_flush_s = hello.get("move_flush_s", 0.0)
+        self._epoch_stale = False
 
     def _lane_lost(self, lane: int, what: str, detail: str) -> LaneUnavailableError:
         """A lane call found ``lane`` dead: tell the coordinator, forget our requests lost
@@ -694,7 +721,8 @@ class CPKVClient:
         try:
             out = yield from call(payload, cache_salt, call_id=call_id)
         except StaleDigestError:  # another client of the namespace extended it meanwhile
-            out = yield from call(tokens, cache_salt, call_id=("tokens", call_id))
+            ids_id = self._sends_ids(("tokens", call_id), [rid])
+            out = yield from call(tokens, cache_salt, call_id=ids_id)
         self._rids.add(rid)
         self._held[rid] = out.prefix_len + out.extend_len
         return out
@@ -714,10 +742,22 @@ class CPKVClient:
                 # Live, but stepped since (its length unknown here): the ids themselves.
                 unknown = held is None and rid in self._rids
                 offset = -1 if unknown else (held or 0) % self.config.page_size
-                self._offsets[(call_id, rid)] = offset
-                while len(self._offsets) > _REMEMBERED_OFFSETS:
-                    self._offsets.popitem(last=False)
+                self._remember_offset((call_id, rid), offset)
         return tokens if offset < 0 else self._hasher.digest(tokens, offset)
+
+    def _sends_ids(self, call_id: Hashable, rids: list) -> Hashable:
+        """``call_id``, noted as sending the ids of ``rids`` themselves (a digest went stale):
+        a retry by that id, which a timeout hands back, sends them again, not a digest."""
+        with self._offsets_lock:
+            for rid in rids:
+                self._remember_offset((call_id, rid), -1)
+        return call_id
+
+    def _remember_offset(self, key: tuple, offset: int) -> None:
+        """Lock held: the offset ``(call id, rid)`` was sent at; the oldest are forgotten."""
+        self._offsets[key] = offset
+        while len(self._offsets) > _REMEMBERED_OFFSETS:
+            self._offsets.popitem(last=False)
 
     def allocate_extend_with_backoff(
         self,
@@ -762,7 +802,8 @@ class CPKVClient:
         try:
             out = self._run(call(payload, cache_salt, call_id=call_id))
         except StaleDigestError:  # another client of the namespace extended one meanwhile
-            out = self._run(call(checked, cache_salt, call_id=("tokens", call_id)))
+            ids_id = self._sends_ids(("tokens", call_id), [rid for rid, _ in checked])
+            out = self._run(call(checked, cache_salt, call_id=ids_id))
         self._rids.update(rid for rid, _ in checked)
         for alloc, (rid, _) in zip(out, checked, strict=True):
             self._held[rid] = alloc.prefix_len + alloc.extend_len
@@ -1052,6 +1093,8 @@ class CPKVClient:
         """A step through the client's step graph when it takes it, else (or for the retries
         after its timeout) as an ordinary call with the same call id."""
         retries = self.call_retries
+        if self._epoch_stale:
+            yield from self._rehello()
         if self._graph is not None:
             call = (method, self._epoch, self.client_id, call_id, *args)
             try:

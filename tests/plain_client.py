@@ -1,0 +1,88 @@
+"""A client over a plain Coordinator without Ray: its actor calls run at once in process.
+
+``PlainCoordinator`` stands for the coordinator's actor handle (its packed calls packed, as
+``CoordinatorActor``'s are); :func:`plain_client` makes a ``CPKVClient`` on it once
+``ray.get`` reads :class:`Answer` values (``patch_ray``). Hooks: ``dead = True`` makes every
+call fail as a dead actor's; ``lose(name, args)`` loses a call's answer after it ran (a
+timeout); ``restart()`` is Ray's restart (a new coordinator, a new epoch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cpkv.actors.wire import PACKED_CALLS, pack, unpack
+from cpkv.coordinator.coordinator import Coordinator
+from cpkv.core.config import CPConfig, KVShape
+from tests.local_lanes import LocalLaneTransport
+
+CONFIG = CPConfig(cp_size=2, page_size=4, num_pages_per_lane=32, max_reqs=16, max_context_len=512)
+KV = KVShape(num_layers=1, num_heads=2, head_dim=8, dtype="float32")
+
+
+class Answer:
+    """A call's outcome, read by the patched ``ray.get``."""
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+
+def patch_ray(monkeypatch) -> None:
+    import ray
+
+    import cpkv.actors.liveness as liveness
+
+    def get(ref, timeout=None):
+        if isinstance(ref, list):
+            return [get(r, timeout) for r in ref]
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(liveness, "process_holder", lambda: {"node_id": "n", "pid": 1})
+
+
+class PlainCoordinator:
+    """The coordinator's actor handle, over a plain :class:`Coordinator`."""
+
+    def __init__(self) -> None:
+        self.dead = False
+        self.lose: Callable[[str, tuple], bool] | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        transport = LocalLaneTransport(CONFIG.cp_size, CONFIG.num_pages_per_lane, 4, KV)
+        self.core = Coordinator(CONFIG, KV, transport, heartbeat_s=0, lane_restart_timeout_s=5)
+        self.dead = False
+
+    def _run(self, name: str, args: tuple) -> Any:
+        core = self.core
+        if name == "hello":
+            return {**core.hello(*args), "lanes": [], "lane_names": []}
+        if name in PACKED_CALLS:
+            out = getattr(core, name)(*unpack(args[0]))
+            return pack(out if name == "free" else (out, core.fence()))
+        return getattr(core, name)(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        import ray
+
+        def remote(*args: Any) -> Answer:
+            if self.dead:
+                return Answer(error=ray.exceptions.RayActorError())
+            out = self._run(name, args)
+            logical = unpack(args[0]) if name in PACKED_CALLS else args
+            if self.lose is not None and self.lose(name, logical):
+                return Answer(error=ray.exceptions.GetTimeoutError("answer lost"))
+            return Answer(out)
+
+        return type("Method", (), {"remote": staticmethod(remote)})()
+
+
+def plain_client(coordinator: PlainCoordinator, **kwargs: Any):
+    from cpkv.client import CPKVClient
+
+    kwargs.setdefault("timeout_s", 1.0)
+    return CPKVClient(coordinator, **kwargs)
