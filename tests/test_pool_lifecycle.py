@@ -58,6 +58,27 @@ def test_a_coordinator_that_never_answers_at_start_leaves_no_lane_or_group(
     _wait(lambda: Pool.attach(name) is None)  # the coordinator was killed: its name is free
 
 
+@pytest.mark.parametrize(
+    "amounts",
+    [
+        {"num_cpus_per_lane": float("nan")},
+        {"num_gpus_per_lane": float("inf")},
+        {"num_cpus_per_lane": 1e-5},
+        {"num_gpus_per_lane": "0.5"},
+        {"num_cpus_per_lane": -1},
+    ],
+    ids=["nan-cpus", "inf-gpus", "below-ray-unit", "str", "negative"],
+)
+def test_a_bad_lane_resource_amount_is_refused_before_any_group_is_reserved(
+    ray_session, amounts
+):
+    name = f"badamount-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(InvalidRequestError, match="per_lane"):
+        cpkv.connect(**{**ONE_LANE, "name": name, **amounts})
+    assert _groups(name) == []  # Ray refused such amounts only once the group was reserved
+    assert Pool.attach(name) is None
+
+
 def test_a_second_shutdown_and_a_with_block_after_shutdown_do_nothing(ray_session):
     name = f"twice-{uuid.uuid4().hex[:8]}"
     with cpkv.connect(**{**ONE_LANE, "name": name}) as client:

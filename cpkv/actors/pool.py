@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cpkv.actors.ray_env import NAMESPACE, embedded_ray_released, ensure_ray, take_embedded_ray
 from cpkv.core.config import CPConfig, KVShape
+from cpkv.core.validate import check_float
 from cpkv.errors import CoordinatorUnavailableError, InvalidRequestError, RequestTimeoutError
 
 __all__ = ["STRATEGIES", "LaneOptions", "Pool"]
@@ -335,11 +336,11 @@ def _place_lanes(
     """
     from cpkv.actors.lane import CompiledLaneActor, LaneActor
 
-    cpus, timeout_s = options.num_cpus_per_lane, options.start_timeout_s
-    if num_gpus_per_lane < 0 or cpus < 0:
-        raise InvalidRequestError(
-            f"num_gpus_per_lane={num_gpus_per_lane}, num_cpus_per_lane={cpus} must be >= 0"
-        )
+    timeout_s = options.start_timeout_s
+    # NOTE: checked before the placement group exists: Ray's own refusal of an amount comes
+    # at the lanes' .options(), after the group is reserved.
+    cpus = _resource_amount("num_cpus_per_lane", options.num_cpus_per_lane)
+    num_gpus_per_lane = _resource_amount("num_gpus_per_lane", num_gpus_per_lane)
     if num_gpus_per_lane > 1 and num_gpus_per_lane != int(num_gpus_per_lane):
         raise InvalidRequestError(
             f"num_gpus_per_lane={num_gpus_per_lane}: above 1 it must be whole"
@@ -373,24 +374,28 @@ def _place_lanes(
         ) from None
     lanes = []
     num_pages = None if sized_later else config.num_pages_per_lane
-    for r, lane_name in enumerate(names.lanes(config.cp_size)):
-        opts = dict(
-            num_cpus=cpus,
-            num_gpus=num_gpus_per_lane,
-            name=lane_name,
-            namespace=NAMESPACE,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=r
-            ),
-        )
-        if options.detached:
-            opts["lifetime"] = "detached"
-        lane_type = CompiledLaneActor if options.compiled_steps else LaneActor
-        lanes.append(
-            lane_type.options(**opts).remote(
-                r, config.cp_size, num_pages, config.page_size, kv, model
+    try:  # the group is reserved: any failure here gives it back
+        for r, lane_name in enumerate(names.lanes(config.cp_size)):
+            opts = dict(
+                num_cpus=cpus,
+                num_gpus=num_gpus_per_lane,
+                name=lane_name,
+                namespace=NAMESPACE,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=r
+                ),
             )
-        )
+            if options.detached:
+                opts["lifetime"] = "detached"
+            lane_type = CompiledLaneActor if options.compiled_steps else LaneActor
+            lanes.append(
+                lane_type.options(**opts).remote(
+                    r, config.cp_size, num_pages, config.page_size, kv, model
+                )
+            )
+    except BaseException:
+        _remove(lanes, pg)
+        raise
     # NOTE: wait here, not in the coordinator: a cold lane (a new process importing torch,
     # loading weights) can take tens of seconds on a busy machine, longer than a request's
     # timeout, and a lane that cannot start says why here instead of as a dead lane later.
@@ -486,3 +491,16 @@ def _remove(lanes: list, group) -> None:
     for lane in lanes:
         ray.kill(lane, no_restart=True)
     remove_placement_group(group)
+
+
+def _resource_amount(name: str, value: object) -> float:
+    """A lane's share of a Ray resource: a finite number, 0 or at least 0.0001 (Ray's unit).
+
+    Raises:
+        InvalidRequestError: anything else (Ray would refuse it only once the lanes' placement
+            group is reserved).
+    """
+    amount = check_float(name, value)
+    if 0 < amount < 1e-4:
+        raise InvalidRequestError(f"{name}={value!r}: Ray's smallest share is 0.0001")
+    return amount
