@@ -69,9 +69,7 @@ def test_a_coordinator_that_never_answers_at_start_leaves_no_lane_or_group(
     ],
     ids=["nan-cpus", "inf-gpus", "below-ray-unit", "str", "negative"],
 )
-def test_a_bad_lane_resource_amount_is_refused_before_any_group_is_reserved(
-    ray_session, amounts
-):
+def test_a_bad_lane_resource_amount_is_refused_before_any_group_is_reserved(ray_session, amounts):
     name = f"badamount-{uuid.uuid4().hex[:8]}"
     with pytest.raises(InvalidRequestError, match="per_lane"):
         cpkv.connect(**{**ONE_LANE, "name": name, **amounts})
