@@ -107,21 +107,29 @@ class LaneIO:
             k[ti], v[ti] = kr, vr
         return k, v
 
-    def wait_lanes(self, refs: list, what: str) -> list:
-        """The answers of ``(lane, ref)`` calls, in order.
+    def wait_lanes(self, refs: list, what: str, end: float | None = None) -> list:
+        """The answers of ``(lane, ref)`` calls, in order, all by one deadline.
+
+        Args:
+            end: the ``time.monotonic()`` deadline (default: ``timeout_s`` from now).
 
         Raises:
-            RequestTimeoutError: a lane silent past ``timeout_s``.
+            RequestTimeoutError: a lane silent past the deadline.
             LaneUnavailableError: a lane died (as ``lane_lost`` made it).
         """
         ray = self._ray
+        if end is None:
+            end = time.monotonic() + self._timeout_s
         out = []
         for r, ref in refs:
             try:
-                out.append(self._unwrap(ray.get(ref, timeout=self._timeout_s)))
+                # NOTE: one deadline for all: a timeout each, lanes answering late in turn
+                # would hold the caller cp_size times timeout_s.
+                left = max(0.0, end - time.monotonic())
+                out.append(self._unwrap(ray.get(ref, timeout=left)))
             except ray.exceptions.GetTimeoutError:
                 raise RequestTimeoutError(
-                    f"{what}: lane {r} silent for {self._timeout_s}s"
+                    f"{what}: lane {r} silent past the {self._timeout_s}s deadline"
                 ) from None
             except actor_death(ray) as e:
                 raise self._lane_lost(r, what, f"{what}: {type(e).__name__}") from None
@@ -185,7 +193,7 @@ class LaneIO:
                 for r, (method, args) in calls.items()
             ]
             try:
-                answers = self.wait_lanes(refs, what)
+                answers = self.wait_lanes(refs, what, end)
             except InvalidRequestError as e:
                 if refreshed or "is free" not in str(e):
                     raise

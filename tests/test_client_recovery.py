@@ -1,6 +1,7 @@
 """The client's recovery paths, without Ray (``tests/plain_client.py``): the call after a
 coordinator died reaches its restart, a retry by the call id a timeout handed back asks the
-same thing, and a call id that would not be recognised as a repeat is refused."""
+same thing, a call id that would not be recognised as a repeat is refused, and lane calls
+time out by one deadline."""
 
 from __future__ import annotations
 
@@ -58,3 +59,36 @@ def test_a_call_id_that_would_not_match_its_repeat_is_refused_before_any_call(co
     with pytest.raises(InvalidRequestError, match="call_id"):
         c.allocate_extend("r", np.arange(8), call_id=call_id)
     assert c.stats()["num_requests"] == 0
+
+
+def test_lanes_answering_late_in_turn_time_out_by_one_deadline(monkeypatch):
+    """Each lane within ``timeout_s`` of the one before, all of them past it: a timeout a
+    lane would have waited ``cp_size`` times as long."""
+    import time
+
+    import ray
+
+    from cpkv.core.layout import PageLayout
+    from cpkv.lane_io import LaneIO
+    from tests.plain_client import KV
+
+    start = time.monotonic()
+
+    def get(answer_at: float, timeout: float | None = None) -> str:
+        wait = answer_at - time.monotonic()
+        if timeout is not None and wait > timeout:
+            time.sleep(timeout)
+            raise ray.exceptions.GetTimeoutError("late")
+        time.sleep(max(0.0, wait))
+        return "ok"
+
+    monkeypatch.setattr(ray, "get", get)
+    io = LaneIO(
+        [None] * 3, PageLayout(3, 4), KV, 3 * 32 * 4, 1, 0.5,
+        fence=lambda: None, fence_waiting=lambda: False, refresh_fence=lambda: None,
+        unwrap=lambda x: x, lane_lost=None,
+    )  # fmt: skip
+    refs = [(r, start + 0.3 * (r + 1)) for r in range(3)]  # lane r answers at 0.3 (r + 1) s
+    with pytest.raises(RequestTimeoutError, match="lane 1"):
+        io.wait_lanes(refs, "lane_info")
+    assert io.wait_lanes([(0, time.monotonic() + 0.05)], "ping") == ["ok"]  # a new deadline
