@@ -164,11 +164,11 @@ class LaneIO:
         arr = np.asarray(slots)
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise InvalidRequestError(f"slots must be 1-D integers, got {arr.dtype} {arr.shape}")
-        arr = arr.astype(np.int64, copy=False)
         total = self._num_slots
+        # NOTE: the range is checked before the cast: a uint64 past int64 would wrap negative.
         if arr.size and (arr.min() < 0 or arr.max() >= total):
             raise InvalidRequestError(f"slots span [{arr.min()}, {arr.max()}], valid [0, {total})")
-        return arr
+        return arr.astype(np.int64, copy=False)
 
     def _lane_io(self, calls: dict, what: str) -> dict:
         """Run a K/V read or write on each lane, as the client's namespace, after the page

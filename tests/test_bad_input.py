@@ -74,6 +74,11 @@ LOCAL = [  # rejected on the caller's side, before any actor call
     ("kv not a tensor", lambda c: c.store_kv([40, 41, 42], np.zeros((3, 2, 8)), K), "ndarray"),
     ("slot out of range", lambda c: c.store_kv([40, 41, 10**9], K, K), "1000000000"),
     ("negative slot", lambda c: c.gather_kv([-5]), "-5"),
+    (
+        "uint64 slot past int64",
+        lambda c: c.gather_kv(np.array([2**63 + 5], dtype=np.uint64)),
+        "9223372036854775813",
+    ),
     ("layer out of range", lambda c: c.store_kv([40, 41, 42], K, K, layer=3), "layer=3"),
     ("gather layer out of range", lambda c: c.gather_kv([40], layer=3), "layer=3"),
     ("gather negative layer", lambda c: c.gather_kv([40], layer=-1), "-1"),
