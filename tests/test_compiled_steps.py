@@ -396,6 +396,25 @@ def test_a_compiled_step_for_another_coordinators_generation_is_refused_at_once(
     assert lane.heartbeat(("g", 1))[1] == 0  # counted: nothing is on its way
 
 
+@pytest.mark.parametrize("later", ["e:g5", "f:g1"], ids=["recovered", "new-coordinator"])
+def test_a_late_step_refused_after_a_reset_leaves_the_lanes_current_group_alone(lane, later):
+    """Sent through the graph, a step can arrive after ordinary calls reset the lane into a
+    later generation and joined it to a later group (a recovery, or a new coordinator): it
+    is refused, and the lane stays in the group its next steps need."""
+    from cpkv.core.steps import StepRequest, StepSequence
+
+    step = StepRequest(7, "e:g4", (StepSequence(0, 4, np.array([1]), None, "r"),))
+    lane.reset(later.split(":")[0] + ":2")
+    lane._worker.group_id = later  # the group it joined since
+    reply = lane.compiled_step(StepPacket(step, (None,), (("e:1", 1),), "e"))
+    assert isinstance(reply.error, MovesNotApplied)
+    assert lane._worker.group_id == later
+    # Its own group's step that cannot get its moves does leave it (its peers must not wait).
+    own = StepRequest(8, later, (StepSequence(0, 4, np.array([1]), None, "r"),))
+    reply = lane.compiled_step(StepPacket(own, (None,), ((lane._shard.generation, 5),), "e"))
+    assert isinstance(reply.error, MovesNotApplied) and lane._worker.group_id is None
+
+
 # ---------------------------------------------- CompiledSteps' writes and reads, without Ray
 class _Graph:
     """A compiled graph's stand-in: ``execute`` logs (thread, step id) and answers with

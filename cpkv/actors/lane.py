@@ -255,13 +255,21 @@ class _Lane:
             return joined and applied()
 
         if not self._turn.wait_for(ready, _FENCE_WAIT_S) or not applied():
-            self._worker.leave_group()  # the step will not run: its peers must not wait
+            self._leave_step_group(group)
             at = None if self._shard is None else (self._shard.generation, self._shard.last_seq)
             raise MovesNotApplied(
                 f"lane {self._lane}: moves through {seq} of {generation!r} and group {group!r} "
                 f"not here (waited up to {_FENCE_WAIT_S}s; the shard is at {at}, the lane in "
                 f"group {worker.group_id!r})"
             )
+
+    def _leave_step_group(self, group: str) -> None:
+        """A step of ``group`` will not run here: leave the group, so its peers do not wait
+        for this lane in its collectives. NOTE: only the step's own group: a stale step (a
+        reset, or another coordinator, moved the lane to a later group since) leaves the
+        lane's current group alone."""
+        if self._worker.group_id == group:
+            self._worker.leave_group()
 
     def _step(self, step: StepRequest, moves: tuple | None) -> tuple[dict, StepResult]:
         if moves is not None:
@@ -272,7 +280,7 @@ class _Lane:
             except MovesNotApplied:
                 # NOTE: the step will not run here: its peers must not wait in its collectives,
                 # nor pair this lane's next step with this one.
-                self._worker.leave_group()
+                self._leave_step_group(step.group)
                 raise
             finally:
                 self._turn.notify_all()
