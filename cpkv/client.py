@@ -567,8 +567,11 @@ class CPKVClient:
         self._take_hello(hello)
 
     def _take_hello(self, hello: dict) -> None:
-        """A (restarted) coordinator's epoch and page key: a new coordinator, a new key."""
+        """A (restarted) coordinator's epoch, page key and namespace id: a new coordinator
+        numbers the namespaces again, in the order its clients greet it."""
         self._epoch = hello["epoch"]
+        self._namespace_id = hello["namespace_id"]
+        self._io.set_namespace_id(self._namespace_id)
         self._hasher = _hasher(self.config, hello)
         self._move_flush_s = hello.get("move_flush_s", 0.0)
         self._epoch_stale = False

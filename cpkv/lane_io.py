@@ -74,6 +74,10 @@ class LaneIO:
         self._unwrap = unwrap
         self._lane_lost = lane_lost
 
+    def set_namespace_id(self, namespace_id: int) -> None:
+        """The namespace's id at a restarted coordinator (it numbers them again)."""
+        self._namespace_id = namespace_id
+
     def store_kv(self, slots, k, v, layer: int = 0) -> None:
         """Write K/V of tokens at their global slots (see :meth:`CPKVClient.store_kv`)."""
         slots = self._slots(slots)

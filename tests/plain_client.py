@@ -1,10 +1,12 @@
 """A client over a plain Coordinator without Ray: its actor calls run at once in process.
 
 ``PlainCoordinator`` stands for the coordinator's actor handle (its packed calls packed, as
-``CoordinatorActor``'s are); :func:`plain_client` makes a ``CPKVClient`` on it once
-``ray.get`` reads :class:`Answer` values (``patch_ray``). Hooks: ``dead = True`` makes every
-call fail as a dead actor's; ``lose(name, args)`` loses a call's answer after it ran (a
-timeout); ``restart()`` is Ray's restart (a new coordinator, a new epoch).
+``CoordinatorActor``'s are; its lanes' handles run on the LaneShards of the coordinator of
+the moment, as lane actors outlive a coordinator's restart); :func:`plain_client` makes a
+``CPKVClient`` on it once ``ray.get`` reads :class:`Answer` values (``patch_ray``). Hooks:
+``dead = True`` makes every call fail as a dead actor's; ``lose(name, args)`` loses a call's
+answer after it ran (a timeout); ``restart()`` is Ray's restart (a new coordinator, a new
+epoch).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class PlainCoordinator:
     def _run(self, name: str, args: tuple) -> Any:
         core = self.core
         if name == "hello":
-            return {**core.hello(*args), "lanes": [], "lane_names": []}
+            lanes = [_LaneHandle(self, r) for r in range(CONFIG.cp_size)]
+            return {**core.hello(*args), "lanes": lanes, "lane_names": []}
         if name in PACKED_CALLS:
             out = getattr(core, name)(*unpack(args[0]))
             return pack(out if name == "free" else (out, core.fence()))
@@ -77,6 +80,23 @@ class PlainCoordinator:
             if self.lose is not None and self.lose(name, logical):
                 return Answer(error=ray.exceptions.GetTimeoutError("answer lost"))
             return Answer(out)
+
+        return type("Method", (), {"remote": staticmethod(remote)})()
+
+
+class _LaneHandle:
+    """A lane actor's handle: its calls run on the lane's shard now."""
+
+    def __init__(self, coordinator: PlainCoordinator, lane: int) -> None:
+        self._coordinator, self._lane = coordinator, lane
+
+    def __getattr__(self, method: str) -> Any:
+        def remote(*args: Any) -> Answer:
+            shard = self._coordinator.core._transport.shards[self._lane]
+            try:
+                return Answer(getattr(shard, method)(*args))
+            except Exception as e:
+                return Answer(error=e)
 
         return type("Method", (), {"remote": staticmethod(remote)})()
 

@@ -1,7 +1,7 @@
 """The client's recovery paths, without Ray (``tests/plain_client.py``): the call after a
 coordinator died reaches its restart, a retry by the call id a timeout handed back asks the
-same thing, a call id that would not be recognised as a repeat is refused, and lane calls
-time out by one deadline."""
+same thing, a call id that would not be recognised as a repeat is refused, lane calls time
+out by one deadline, and clients keep their namespaces' pages apart across a restart."""
 
 from __future__ import annotations
 
@@ -92,3 +92,27 @@ def test_lanes_answering_late_in_turn_time_out_by_one_deadline(monkeypatch):
     with pytest.raises(RequestTimeoutError, match="lane 1"):
         io.wait_lanes(refs, "lane_info")
     assert io.wait_lanes([(0, time.monotonic() + 0.05)], "ping") == ["ok"]  # a new deadline
+
+
+def test_clients_greeting_a_restarted_coordinator_in_another_order_keep_to_their_pages(
+    coordinator,
+):
+    """A restarted coordinator numbers namespaces again as clients greet it: each client
+    takes its new id, so the lanes still tell their pages apart."""
+    import torch
+
+    from tests.plain_client import KV
+
+    a, b = plain_client(coordinator), plain_client(coordinator)
+
+    def kv(n: int):
+        return torch.ones(n, KV.num_heads, KV.head_dim), torch.ones(n, KV.num_heads, KV.head_dim)
+
+    coordinator.restart()
+    for client, rid in ((b, "rb"), (a, "ra")):  # b greets the new coordinator first
+        with pytest.raises(CoordinatorUnavailableError):
+            client.allocate_extend(rid, np.arange(8))
+    mine, theirs = a.allocate_extend("ra", np.arange(8)), b.allocate_extend("rb", np.arange(8))
+    a.store_kv(mine.out_cache_loc, *kv(8))
+    with pytest.raises(InvalidRequestError, match="another namespace"):
+        a.store_kv(theirs.out_cache_loc, *kv(8))
