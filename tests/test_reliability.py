@@ -627,3 +627,24 @@ def test_a_failed_or_lost_request_says_so_while_lanes_restart():
         ok(coord.decode(coord.epoch, "a", None, ["lost"], np.array([7])))
     with pytest.raises(KVCapacityWaitError, match="lane_unavailable"):
         prefill(coord, "a", "new", [3])
+
+
+def test_a_decode_step_of_an_unknown_rid_says_so_while_a_lane_is_down():
+    """The lanes' state is no answer to a rid that does not exist: not a wait for them."""
+    from cpkv.errors import UnknownRequestError
+
+    lanes = StepLanes()
+    coord = Coordinator(
+        CFG, KV, lanes, heartbeat_s=0, lane_restart_timeout_s=5, clock=Clock(), vocab_size=VOCAB
+    )
+    coord.hello("a")
+    e = coord.epoch
+    assert not isinstance(coord.allocate_extend(e, "a", None, "r", np.arange(1, 10)), Exception)
+    assert coord.free(e, "a", None, "r", False) > 0
+    lanes.dead.add(1)  # for good
+    coord.heartbeat_once()
+    coord.wait_recovered(5)
+    assert coord.lane_states()[1] != "up"
+    for rid in ("r", "never-allocated"):  # freed, and never there
+        answer = coord.decode(e, "a", None, [rid], [3])
+        assert isinstance(answer, UnknownRequestError) and repr(rid) in str(answer), answer

@@ -620,7 +620,8 @@ class Coordinator:
 
     def _request_error(self, client_id: str | None, op: str, requests) -> CPKVError | None:
         """What a step's requests answer whatever the lanes' state: lost with a lane
-        (LaneUnavailableError), failed (StepFailedError) or misnamed; ``None`` otherwise."""
+        (LaneUnavailableError), failed (StepFailedError), unknown (a decode's rid:
+        UnknownRequestError) or misnamed; ``None`` otherwise."""
         try:
             with self._lock:
                 if op == "decode":
@@ -630,6 +631,8 @@ class Coordinator:
                 for key in keys:
                     self._check_not_failed(key)
                     self._core.check_not_lost(key)
+                    if op == "decode":
+                        self._core.request_len(key)  # an unknown rid says so, not "wait"
         except CPKVError as e:
             return e
         return None
