@@ -422,6 +422,30 @@ def half_built_main(rank: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"half{rank}.json").write_text(json.dumps(report))
 
 
+def test_an_init_that_fails_leaves_torchs_group_counter_as_it_was(monkeypatch) -> None:
+    """torch names a group's rendezvous keys by a counter every init counts up and only a
+    destroy sets back: after an init that failed (a peer died in the rendezvous) this lane
+    waited on other keys than a restarted peer's at every later group (each timed out, in a
+    run of two spawned lanes), so its pool could not rebuild its group."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    from cpkv.lanes import comm
+
+    world = distributed_c10d._world
+    monkeypatch.setattr(world, "group_count", 0)
+
+    def dies_in_the_rendezvous(*_args, **_kwargs) -> None:
+        world.group_count += 1  # as torch's own init does before it waits for its peers
+        raise RuntimeError("wait timeout: a peer is gone")
+
+    monkeypatch.setattr(dist, "init_process_group", dies_in_the_rendezvous)
+    with pytest.raises(RuntimeError, match="peer is gone"):
+        comm._init_process_group("gloo", rank=0, world_size=2, timeout=timedelta(seconds=1))
+    assert world.group_count == 0 and not dist.is_initialized()
+
+
 def test_a_group_that_fails_halfway_leaves_the_process_as_it_found_it(tmp_path: Path) -> None:
     """A peer dying while the ``cuda_ipc`` group is built fails the build after the gloo
     group started: left behind, it refused every later group of this lane (no restart

@@ -224,7 +224,7 @@ class LaneGroup:
                 if device.index is not None
                 else torch.device("cuda", torch.cuda.current_device())
             )
-        dist.init_process_group(
+        _init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
         )
         return cls(rank, world_size, backend, generation, device, store)
@@ -242,9 +242,7 @@ class LaneGroup:
     ) -> LaneGroup:
         """The ``cuda_ipc`` group: gloo beside a device exchange, or the agreed fallback."""
         timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
+        _init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             return cls._build_ipc(rank, world_size, store, generation, device, timeout_s, adaptor)
         except BaseException:
@@ -514,3 +512,23 @@ class LaneGroup:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _init_process_group(backend: str, **kwargs: Any) -> None:
+    """``dist.init_process_group``, leaving the process as it found it when that fails.
+
+    NOTE: every init counts up torch's group counter, which names the rendezvous keys, and
+    only ``destroy_process_group`` sets it back: after an init that failed (a peer died in
+    the rendezvous) nothing is there to destroy, and this process would wait on other keys
+    than a restarted peer's at every later group (measured: each timed out).
+    """
+    try:
+        dist.init_process_group(backend, **kwargs)
+    except BaseException:
+        if not dist.is_initialized():
+            from torch.distributed import distributed_c10d
+
+            world = getattr(distributed_c10d, "_world", None)
+            if world is not None and hasattr(world, "group_count"):
+                world.group_count = 0
+        raise
