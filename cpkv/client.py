@@ -258,8 +258,10 @@ def _check_attached(pool: Pool, name: str, config: CPConfig, asked: tuple, spec)
 class _LeaseKeeper:
     """Renews a client's lease every third of it, while the client lives.
 
-    Holds the client weakly: a client that is garbage-collected stops renewing,
-    so its lease lapses as if its process had died.
+    Holds the client weakly: a client that is garbage-collected (dropped without
+    :meth:`CPKVClient.shutdown`) has its lease closed, its requests freed, as shutdown does.
+    NOTE: not left to lapse: its process may live on (a pooled Ray worker), and the
+    coordinator keeps the lease of a live process's client whose renewals stopped.
     """
 
     def __init__(self, client: CPKVClient, lease_s: float) -> None:
@@ -277,6 +279,10 @@ class _LeaseKeeper:
 
         while not self._stop.wait(self._lease_s / 3):
             if self._client() is None:
+                try:
+                    ray.get(self._coord.close_lease.remote(self._client_id), timeout=self._lease_s)
+                except Exception:  # the pool went with it (its creator), or is restarting
+                    logger.debug("closing a dropped client's lease failed", exc_info=True)
                 return
             try:
                 renewed = ray.get(

@@ -1,7 +1,8 @@
 """The client's recovery paths, without Ray (``tests/plain_client.py``): the call after a
 coordinator died reaches its restart, a retry by the call id a timeout handed back asks the
 same thing, a call id that would not be recognised as a repeat is refused, lane calls time
-out by one deadline, and clients keep their namespaces' pages apart across a restart."""
+out by one deadline, clients keep their namespaces' pages apart across a restart, and a
+client dropped without shutdown frees its requests."""
 
 from __future__ import annotations
 
@@ -116,3 +117,21 @@ def test_clients_greeting_a_restarted_coordinator_in_another_order_keep_to_their
     a.store_kv(mine.out_cache_loc, *kv(8))
     with pytest.raises(InvalidRequestError, match="another namespace"):
         a.store_kv(theirs.out_cache_loc, *kv(8))
+
+
+def test_a_client_dropped_without_shutdown_frees_its_requests(coordinator):
+    """Its process lives on (a pooled Ray worker, say), so its lease would never lapse: the
+    coordinator keeps a live process's lease. Dropped, it is closed as shutdown closes it."""
+    import gc
+    import time
+
+    c = plain_client(coordinator, lease_s=0.3)
+    c.allocate_extend("r", np.arange(8))
+    core = coordinator.core
+    assert core.stats()["num_requests"] == 1
+    del c
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while core.stats()["num_requests"]:
+        assert time.monotonic() < deadline, "the dropped client's request is still held"
+        time.sleep(0.02)
