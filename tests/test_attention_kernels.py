@@ -760,6 +760,16 @@ BAD_CALLS: list[tuple[str, Callable[[], object], str]] = [
         "page_len values must lie in [0, page_size=4], got min 4 and max 5",
     ),
     (
+        "attn-page-id-negative",
+        _call(page_table=_i(0, -1)),
+        "page_table ids must lie in [0, 5) (the cache's pages), got min -1 and max 0",
+    ),
+    (
+        "attn-page-id-past-cache",
+        _call(page_table=_i(0, 5)),
+        "page_table ids must lie in [0, 5) (the cache's pages), got min 0 and max 5",
+    ),
+    (
         "attn-device",
         _call(page_pos=torch.zeros(2, dtype=torch.int64, device="meta")),
         "page_pos on meta",

@@ -356,21 +356,25 @@ def _validate(
     )
 
 
-def _read_sizes(cu_q: torch.Tensor, pages: PagedKVTable, n_tokens: int, page_size: int) -> int:
+def _read_sizes(
+    cu_q: torch.Tensor, pages: PagedKVTable, n_tokens: int, page_size: int, num_cache_pages: int
+) -> int:
     """Read the offsets' ends and the longest sequence from the device (one sync) and check the
-    offsets and page lengths while at it.
+    offsets, page ids and page lengths while at it.
 
     Returns:
         The longest sequence's query count.
 
     Raises:
         ValueError: offsets that do not start at 0, fall, or end off the tensors' lengths;
-            page lengths outside ``[0, page_size]``.
+            page ids outside the cache's ``[0, num_cache_pages)``; page lengths outside
+            ``[0, page_size]``.
     """
     cu_q64, cu_p64 = cu_q.to(torch.int64), pages.cu_pages.to(torch.int64)
     q_lens, p_lens = cu_q64.diff(), cu_p64.diff()
     zero = cu_q64.new_zeros(())
     lens = pages.page_len.to(torch.int64)
+    ids = pages.page_table.to(torch.int64)
     stats = torch.stack(
         (
             cu_q64[0],
@@ -382,9 +386,18 @@ def _read_sizes(cu_q: torch.Tensor, pages: PagedKVTable, n_tokens: int, page_siz
             p_lens.min() if p_lens.numel() else zero,
             lens.min() if lens.numel() else zero,
             lens.max() if lens.numel() else zero,
+            ids.min() if ids.numel() else zero,
+            ids.max() if ids.numel() else zero,
         )
     )
-    q0, q1, q_min, q_max, p0, p1, p_min, len_min, len_max = stats.tolist()
+    q0, q1, q_min, q_max, p0, p1, p_min, len_min, len_max, id_min, id_max = stats.tolist()
+    # NOTE: an id out of range reads another page (a negative one, from the end) or past the
+    # cache (garbage, or a fault) in the kernel.
+    if ids.numel() and (id_min < 0 or id_max >= num_cache_pages):
+        raise ValueError(
+            f"{_NAME}: page_table ids must lie in [0, {num_cache_pages}) (the cache's pages), "
+            f"got min {id_min} and max {id_max}"
+        )
     n_pages = pages.num_pages
     if q0 != 0 or q1 != n_tokens or q_min < 0:
         raise ValueError(f"{_NAME}: cu_q {cu_q.tolist()} must rise from 0 to q's {n_tokens} tokens")
@@ -465,7 +478,8 @@ def paged_partial_attention(
 
     Raises:
         ValueError: bad shapes, dtypes, devices or strides; and, without ``max_q_len``,
-            offsets that do not match the tensors or page lengths outside ``[0, page_size]``.
+            offsets that do not match the tensors, page ids outside the cache's pages or page
+            lengths outside ``[0, page_size]``.
 
     NOTE: with ``max_q_len`` given nothing is value-checked (that needs a device sync): offsets
     must cover ``q`` and the page table exactly and page ids / lengths be in range, or queries
@@ -476,7 +490,7 @@ def paged_partial_attention(
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     n_seqs = cu_q.shape[0] - 1
     if max_q_len is None:
-        max_q_len = _read_sizes(cu_q, pages, tq, page_size)
+        max_q_len = _read_sizes(cu_q, pages, tq, page_size, k_cache.shape[0])
     if tq == 0 or d == 0 or n_seqs == 0 or max_q_len == 0:
         out = torch.zeros((tq, hq, d), dtype=out_dtype, device=device)
         return out, torch.full((tq, hq), float("-inf"), dtype=torch.float32, device=device)
