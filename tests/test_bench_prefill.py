@@ -23,6 +23,33 @@ def test_points_run_cp1_once_and_both_splits_above():
     ]
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "--requests", "0"], "--requests: 0 must be >= 1"),
+        (["bench", "--lanes", ","], "names no lane count"),
+        (["bench", "--lanes", "1,0"], "--lanes: 0 must be >= 1"),
+        (["bench", "--concurrency", "0"], "--concurrency: 0 must be >= 1"),
+        (["bench", "--prefill", "--link-gbps", "0"], "--link-gbps: 0.0 must be a finite"),
+        (["bench", "--prefill", "--model", "nosuchpreset"], "not a checkpoint directory or a"),
+        (["demo", "--cp-size", "0"], "--cp-size: 0 must be >= 1"),
+        (["demo", "--page-size", "0"], "--page-size: 0 must be >= 1"),
+        (["demo", "--pages-per-lane", "0"], "--pages-per-lane: 0 must be >= 2"),
+        (["demo", "--model", "/no/such/dir"], "not a checkpoint directory"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else None,
+)
+def test_the_command_refuses_sizes_it_would_replace_or_fail_on_late(argv, says, capsys):
+    """0 quietly became a default (``args.requests or 8``), or the run failed after it ran
+    (a division by a 0 link rate, percentiles of no latencies) or deep inside (a layout
+    of 0 lanes, a preset name read as a path): refused as the arguments are read."""
+    from cpkv.tools.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and says in capsys.readouterr().err
+
+
 @pytest.mark.ray
 def test_tiny_prefill_bench_writes_rows_csv_and_plot(quiet_ray, tmp_path, capsys):
     from cpkv.tools.cli import main

@@ -25,14 +25,44 @@ def _tokens(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
+def _int_at_least(low: int):
+    """An argparse type: an int ``>= low`` (0 or a negative size would quietly become a
+    default, or fail deep inside the run)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
+    return value
+
+
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    """``1,2,4`` -> [1, 2, 4]: lane counts, each at least 1, at least one."""
+    values = [_int_at_least(1)(x) for x in text.split(",") if x]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} names no lane count")
+    return values
 
 
 def _add_run_arguments(p: argparse.ArgumentParser, *, page_size: int) -> None:
     """The arguments every command shares: where the lanes run and how the run looks."""
     g = p.add_argument_group("pool and run")
-    g.add_argument("--page-size", type=int, default=page_size)
+    g.add_argument("--page-size", type=_int_at_least(1), default=page_size)
     g.add_argument("--address", default=None, help="'auto' or ray://...; default: embedded Ray")
     g.add_argument("--num-gpus-per-lane", type=float, default=None)
     g.add_argument("--seed", type=int, default=0, help="random weights' and prompts' seed")
@@ -50,12 +80,15 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--model", default=None, metavar="DIR", help="a local checkpoint (default: random weights)"
     )
-    d.add_argument("--cp-size", type=int, default=4)
-    d.add_argument("--prompts", type=int, default=24)
-    d.add_argument("--workers", type=int, default=4)
-    d.add_argument("--decode-tokens", type=int, default=3)
+    d.add_argument("--cp-size", type=_int_at_least(1), default=4)
+    d.add_argument("--prompts", type=_int_at_least(1), default=24)
+    d.add_argument("--workers", type=_int_at_least(1), default=4)
+    d.add_argument("--decode-tokens", type=_int_at_least(0), default=3)
     d.add_argument(
-        "--pages-per-lane", type=int, default=None, help="default: sized for pool pressure"
+        "--pages-per-lane",
+        type=_int_at_least(2),
+        default=None,
+        help="default: sized for pool pressure",
     )
     _add_run_arguments(d, page_size=16)
     b = sub.add_parser(
@@ -75,8 +108,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="default 32k,128k (--prefill: 2k,4k; pass 32k on GPUs)",
     )
-    b.add_argument("--requests", type=int, default=None, help="default 8 (--prefill: 3)")
-    b.add_argument("--concurrency", type=int, default=2, help="allocation bench threads")
+    b.add_argument(
+        "--requests", type=_int_at_least(1), default=None, help="default 8 (--prefill: 3)"
+    )
+    b.add_argument(
+        "--concurrency", type=_int_at_least(1), default=2, help="allocation bench threads"
+    )
     b.add_argument(
         "--model",
         default="small",
@@ -87,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--attention-mode", default="auto", help="--prefill: auto, pass_q or pass_kv")
     b.add_argument(
         "--link-gbps",
-        type=float,
+        type=_positive_float,
         default=None,
         help="--prefill: link rate (GB/s, one way) of the one-GPU-per-lane projection "
         "(default: NVLink-class 450)",
@@ -116,9 +153,9 @@ def _bench_config(args: argparse.Namespace):
     )
     if args.prefill:
         return PrefillBenchConfig(
-            lanes=args.lanes or [1, 2, 4],
+            lanes=[1, 2, 4] if args.lanes is None else args.lanes,
             contexts=args.context,
-            requests=args.requests or 3,
+            requests=3 if args.requests is None else args.requests,
             model=args.model,
             dtype=args.dtype,
             attention_mode=args.attention_mode,
@@ -126,16 +163,24 @@ def _bench_config(args: argparse.Namespace):
             **common,
         )
     return BenchConfig(
-        lanes=args.lanes or [1, 2, 4, 8],
+        lanes=[1, 2, 4, 8] if args.lanes is None else args.lanes,
         contexts=args.context or [32 << 10, 128 << 10],
-        requests=args.requests or 8,
+        requests=8 if args.requests is None else args.requests,
         concurrency=args.concurrency,
         **common,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    model = args.model if args.cmd == "demo" else (args.model if args.prefill else None)
+    if model is not None and not os.path.isdir(model):
+        from cpkv.models import MODEL_PRESETS
+
+        if args.cmd == "demo" or model not in MODEL_PRESETS:
+            presets = "" if args.cmd == "demo" else f" or a preset ({', '.join(MODEL_PRESETS)})"
+            parser.error(f"--model {model!r}: not a checkpoint directory{presets}")
     _setup_logging()
     if args.address is None:
         from cpkv.actors.ray_env import keep_ray_on_loopback

@@ -386,7 +386,9 @@ def run(cfg: DemoConfig, out: Callable[[str], object] = print) -> DemoResult:
     tol = cfg.tolerance if cfg.tolerance is not None else tolerance_for(model_config.dtype)
     started = ensure_ray(cfg.address, num_lanes=cfg.cp_size, quiet=True)
     try:
-        pages = cfg.num_pages_per_lane or auto_pages_per_lane(cfg)
+        pages = cfg.num_pages_per_lane
+        if pages is None:
+            pages = auto_pages_per_lane(cfg)
         longest = cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens
         client = cpkv.connect(
             cfg.address,
