@@ -75,10 +75,14 @@ def start_cluster(
         ValueError: a count out of range.
         RuntimeError: ray was imported without the loopback switch.
     """
-    if num_workers < 1 or gpus_per_worker <= 0 or cpus_per_worker <= 0 or head_cpus < 0:
+    # NOTE: Ray takes only whole resource counts for a node (its lanes take fractions).
+    counts = (gpus_per_worker, cpus_per_worker, head_cpus)
+    whole = all(float(x) == int(x) for x in counts)
+    if not whole or num_workers < 1 or min(gpus_per_worker, cpus_per_worker) <= 0 or head_cpus < 0:
         raise ValueError(
             f"num_workers={num_workers} (>= 1), gpus_per_worker={gpus_per_worker} (> 0), "
-            f"cpus_per_worker={cpus_per_worker} (> 0), head_cpus={head_cpus} (>= 0)"
+            f"cpus_per_worker={cpus_per_worker} (> 0), head_cpus={head_cpus} (>= 0): whole "
+            "numbers of each"
         )
     _check_loopback()
     from ray.cluster_utils import Cluster
@@ -292,9 +296,9 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # never swallow a bench option by prefix
     )
     p.add_argument("--workers", type=int, default=2, help="worker nodes (default 2)")
-    p.add_argument("--gpus-per-worker", type=float, default=2, help="logical GPUs (default 2)")
-    p.add_argument("--cpus-per-worker", type=float, default=2, help="logical CPUs (default 2)")
-    p.add_argument("--head-cpus", type=float, default=2, help="head CPUs, no GPUs (default 2)")
+    p.add_argument("--gpus-per-worker", type=int, default=2, help="logical GPUs (default 2)")
+    p.add_argument("--cpus-per-worker", type=int, default=2, help="logical CPUs (default 2)")
+    p.add_argument("--head-cpus", type=int, default=2, help="head CPUs, no GPUs (default 2)")
     p.add_argument("--object-store-mb", type=int, default=None, help="object store per node")
     p.add_argument(
         "--probe",

@@ -345,3 +345,13 @@ def test_local_cluster_rejects_bad_sizes(local_cluster_module: ModuleType) -> No
         local_cluster_module.start_cluster(0, 2)
     with pytest.raises(ValueError, match="gpus_per_worker=0"):
         local_cluster_module.start_cluster(2, 0)
+
+
+@pytest.mark.parametrize("counts", [{"gpus_per_worker": 0.5}, {"cpus_per_worker": 1.5}])
+def test_local_cluster_refuses_fractional_node_counts_before_ray(counts) -> None:
+    """Ray takes only whole counts for a node: 0.5 GPUs a worker died in Ray's traceback."""
+    spec = importlib.util.spec_from_file_location("local_cluster", LOCAL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ValueError, match="whole numbers"):
+        module.start_cluster(2, **counts)
