@@ -344,18 +344,23 @@ class LaneChannel:
     def _unsend(self, batches: list[tuple | None], moves: list[Future | None]) -> None:
         """A step was not sent: the moves it took go back in front of those decided since,
         to go as ordinary calls (no lane saw them, so the order of each lane's moves holds)."""
-        taken = {id(m) for m in moves if m is not None}
-        with self._pending_lock:
-            self._pending = deque(p for p in self._pending if id(p[3]) not in taken)
-        for move in moves:  # a back-pressure wait on one of them ends now
-            if move is not None:
-                move.cancel()
+        self._untrack(moves)
         with self._waiting_lock:
             for lane, batch in enumerate(batches):
                 if batch is not None:
                     self.num_riding_moves -= len(batch)
                     self._waiting[lane][:0] = batch
                     self._send_or_hold(lane)
+
+    def _untrack(self, moves: list[Future | None]) -> None:
+        """Stop tracking the riding moves of a step that was not delivered (they go again as
+        ordinary calls, tracked as those)."""
+        taken = {id(m) for m in moves if m is not None}
+        with self._pending_lock:
+            self._pending = deque(p for p in self._pending if id(p[3]) not in taken)
+        for move in moves:  # a back-pressure wait on one of them ends now
+            if move is not None:
+                move.cancel()
 
     def _moves_answer(
         self, batches: list[tuple | None], moves: list[Future | None]
@@ -385,12 +390,7 @@ class LaneChannel:
         every step before this one was answered first (one thread reads them in order), so
         no move of an earlier step is still on its way; and a later step's fence names
         them, so it waits for them at the lane."""
-        taken = {id(m) for m in moves if m is not None}
-        with self._pending_lock:
-            self._pending = deque(p for p in self._pending if id(p[3]) not in taken)
-        for move in moves:  # a back-pressure wait on one of them ends now
-            if move is not None:
-                move.cancel()
+        self._untrack(moves)
         with self._waiting_lock:
             for lane, batch in enumerate(batches):
                 if batch is None or batch[0][0] != self._generations[lane]:
