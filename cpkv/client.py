@@ -351,8 +351,8 @@ class CPKVClient:
         self._hello_args = (self.client_id, lease_s, namespace, process_holder())
         hello = self._get(self._coord.hello.remote(*self._hello_args), "hello")
         self._epoch: str = hello["epoch"]
-        # The coordinator died under a call: its restart has a new epoch (and key) to take
-        # before the next call, or that call would be refused as from the old one.
+        # The coordinator died or restarted under a call: its restart has a new epoch (and
+        # key) to take before the next call, or that call would be refused as the old one's.
         self._epoch_stale = False
         self.config: CPConfig = hello["config"]
         self.kv: KVShape = hello["kv"]
@@ -556,9 +556,7 @@ class CPKVClient:
     def _unwrap(self, out):
         if isinstance(out, CoordinatorUnavailableError):
             self._lose_all()
-            self._take_hello(
-                self._ray.get(self._coord.hello.remote(*self._hello_args), timeout=self.timeout_s)
-            )
+            self._epoch_stale = True  # the next call greets the restarted coordinator first
             raise CoordinatorUnavailableError(out.detail, self._take_lost())
         if isinstance(out, (LaneUnavailableError, LeaseExpiredError)):
             self._forget(out.rids)
@@ -567,14 +565,11 @@ class CPKVClient:
         return out
 
     def _rehello(self) -> _Call:
-        """Greet the restarted coordinator (a call found the last one dead) and take its
-        epoch; while it is still down this raises CoordinatorUnavailableError again."""
+        """Greet the restarted coordinator (a call found the last one dead or gone) and take
+        its epoch, page key and namespace id (it numbers namespaces again, in the order its
+        clients greet it); while it is still down this raises CoordinatorUnavailableError
+        again."""
         hello = yield self._open_coord().hello.remote(*self._hello_args), "hello"
-        self._take_hello(hello)
-
-    def _take_hello(self, hello: dict) -> None:
-        """A (restarted) coordinator's epoch, page key and namespace id: a new coordinator
-        numbers the namespaces again, in the order its clients greet it."""
         self._epoch = hello["epoch"]
         self._namespace_id = hello["namespace_id"]
         self._io.set_namespace_id(self._namespace_id)
