@@ -13,7 +13,7 @@ import pytest
 
 from cpkv import CPConfig, KVShape
 from cpkv.coordinator import coordinator as coordinator_module
-from cpkv.coordinator.channel import LaneDeadError
+from cpkv.coordinator.channel import ChannelClosedError, LaneDeadError, LaneUnreachableError
 from cpkv.coordinator.coordinator import Coordinator
 from cpkv.core.reply_cache import DROPPED, ReplyCache, _Runs
 from cpkv.core.steps import StepResult
@@ -52,8 +52,21 @@ class StepLanes(LocalLaneTransport):
         self.hold: set[int] = set()  # step ids left running until released
         self._held: dict[int, list[tuple[int, Future, Future]]] = {}
         self.killed: list[int] = []
+        self.late: set[int] = set()  # lanes whose heartbeats wait for answer_heartbeats()
+        self.late_heartbeats: list[tuple[int, Future]] = []
+        self.heartbeat_errors: dict[int, BaseException] = {}  # lane: what its heartbeats raise
 
     def submit(self, lane, method, *args):
+        if method == "heartbeat" and lane in self.heartbeat_errors:
+            self.calls.append((lane, method))
+            future = Future()
+            future.set_exception(self.heartbeat_errors[lane])
+            return future
+        if method == "heartbeat" and lane in self.late:
+            self.calls.append((lane, method))
+            future = Future()
+            self.late_heartbeats.append((lane, future))
+            return future
         if lane in self.hung:
             self.calls.append((lane, method))
             # Never answered (a step, as a Ray method of two returns, gives two handles).
@@ -91,6 +104,13 @@ class StepLanes(LocalLaneTransport):
             self.fail.add(step_id)
         for lane, status, result in self._held.pop(step_id):
             self._answer(lane, step_id, status, result)
+
+    def answer_heartbeats(self) -> None:
+        """Answer the heartbeats held back by ``late`` lanes, as their lanes would have."""
+        for lane, future in self.late_heartbeats:
+            shard = self.shards[lane]
+            future.set_result((shard.incarnation, shard.num_held_pages))
+        self.late_heartbeats.clear()
 
     def kill(self, lane: int) -> None:
         self.killed.append(lane)
@@ -549,6 +569,130 @@ def test_a_hung_lane_is_killed_and_reset_and_renewals_never_wait_for_it():
     stats = coord.stats()
     assert stats["hung_lanes"] == 1 and stats["lane_states"] == ["up", "up"]
     assert coord.check()["ok"]
+
+
+def test_a_lane_that_answers_every_heartbeat_late_but_within_the_hang_time_is_kept():
+    """Hung means a heartbeat unanswered for ``lane_hang_s``: one answered after a round
+    stopped waiting for it (at half of it) is read at the next round, not dropped, and the
+    hang clock does not run between rounds."""
+    import time
+
+    coord, lanes = make(lane_hang_s=1.0)
+    coord.hello("c", 60.0)
+    ok(coord.allocate_extend(coord.epoch, "c", None, "r", np.arange(1, 33)))  # both lanes
+    lanes.late.add(1)
+    for _ in range(4):
+        coord.heartbeat_once()  # waits up to 0.5 s for lane 1, then moves on
+        time.sleep(0.2)
+        lanes.answer_heartbeats()  # ~0.7 s after it was sent
+    stats = coord.stats()
+    assert lanes.killed == [] and stats["hung_lanes"] == 0 and stats["lane_losses"] == []
+    assert stats["slow_heartbeats"] >= 2
+    # An unanswered heartbeat is read again, never stacked behind by another.
+    sent = sum(1 for lane, method in lanes.calls if (lane, method) == (1, "heartbeat"))
+    assert 2 <= sent <= 3, sent
+    lanes.late.clear()
+    assert coord.check()["ok"]
+
+
+def test_a_lane_whose_heartbeats_go_unanswered_for_the_hang_time_is_killed():
+    import time
+
+    coord, lanes = make(lane_hang_s=0.4)
+    lanes.late.add(1)
+    end = time.monotonic() + 5
+    while not lanes.killed and time.monotonic() < end:
+        coord.heartbeat_once()
+    assert lanes.killed == [1] and coord.stats()["hung_lanes"] == 1
+
+
+def test_a_heartbeat_error_on_one_lane_leaves_the_round_reading_the_others():
+    """An error that is neither a death nor a timeout (a Ray error the transport does not
+    map) is logged and counted; the lanes after it are still read, so a dead one is seen."""
+    coord, lanes = make()
+    coord.hello("c", 60.0)
+    ok(coord.allocate_extend(coord.epoch, "c", None, "r", np.arange(1, 33)))
+    assert coord.check()["ok"]
+    lanes.heartbeat_errors[0] = RuntimeError("ObjectLostError")
+    lanes.dead.add(1)
+    coord.heartbeat_once()
+    stats = coord.stats()
+    assert stats["lane_losses"] == [[1, 1]] and stats["heartbeat_errors"] == 1
+    assert stats["lane_states"][0] == "up"
+
+
+def test_an_unreachable_lane_is_not_taken_for_dead_by_the_heartbeat():
+    """Ray's "unavailable, may be available later": the lane keeps its requests; had it
+    restarted, its next answer names another incarnation."""
+    coord, lanes = make()
+    coord.hello("c", 60.0)
+    ok(coord.allocate_extend(coord.epoch, "c", None, "r", np.arange(1, 33)))
+    lanes.heartbeat_errors[1] = LaneUnreachableError("lane 1 is unreachable")
+    coord.heartbeat_once()
+    assert coord.stats()["lane_losses"] == []
+    del lanes.heartbeat_errors[1]
+    lanes.kill(1)  # it restarted meanwhile
+    lanes.restart(1)
+    coord.heartbeat_once()
+    assert coord.stats()["lane_losses"] == [[1, 1]]
+
+
+def test_a_solo_steps_request_outlives_the_death_of_a_lane_that_skipped_it():
+    """A request whose every page is on lane 0 runs solo there; lane 1 dying around its step
+    (the step's call to it fails) loses lane 1's requests, not this one."""
+    coord, lanes = make()
+    coord.hello("a")
+    page = int(prefill(coord, "a", "solo", [1, 2])["allocations"][0].new_pages[0])
+    assert page % CFG.cp_size == 0
+    assert coord.check()["ok"]
+    lanes.dead.add(1)
+    prefill(coord, "a", "solo", [3, 4])  # still on lane 0's page
+    coord.heartbeat_once()
+    lanes.restart(1)
+    assert coord.wait_recovered(5)
+    stats = coord.stats()
+    assert stats["failed_steps"] == 0 and stats["lane_losses"] == [[1, 0]]
+    ok(coord.decode(coord.epoch, "a", None, ["solo"], np.array([9])))
+
+
+def test_stats_count_a_step_that_failed_without_another_call():
+    coord, lanes = make()
+    coord.hello("a")
+    lanes.fail.add(1)
+    prefill(coord, "a", "r", np.arange(1, 33))  # every lane answers step 1 with an error
+    stats = coord.stats()
+    assert (stats["failed_steps"], stats["steps_in_flight"]) == (1, 0)
+
+
+def test_shutdown_ends_a_recovery_in_flight_and_later_lane_calls_fail_at_once():
+    """A lane Ray is still restarting (its reset answers "unreachable"): shutdown() does not
+    leave the recovery retrying until lane_restart_timeout_s."""
+    import time
+
+    class Restarting(StepLanes):
+        restarting = False
+
+        def submit(self, lane, method, *args):
+            if self.restarting and lane == 1 and method == "reset":
+                future = Future()
+                future.set_exception(LaneUnreachableError("restarting"))
+                return future
+            return super().submit(lane, method, *args)
+
+    coord = Coordinator(CFG, KV, Restarting(), heartbeat_s=0.05, lane_restart_timeout_s=30)
+    coord._transport.restarting = True
+    coord._transport.restart(1)  # another incarnation: the heartbeat finds lane 1 lost
+    end = time.monotonic() + 5
+    while coord.stats()["lane_states"][1] != "restarting" and time.monotonic() < end:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    coord.shutdown()
+    assert time.monotonic() - t0 < 1.5
+    threads = [*coord._threads, *coord._supervisor._threads, coord._channel._sender]
+    assert threads[1].name == "cpkv-recover-1"
+    assert not [t.name for t in threads if t.is_alive()]
+    with pytest.raises(ChannelClosedError):
+        coord._channel.call(0, "heartbeat", timeout=5)
 
 
 def _lanes_restarting(coord) -> KVCapacityWaitError:

@@ -41,6 +41,7 @@ from cpkv.core.moves import MovesNotApplied
 from cpkv.core.steps import LaneReply, StepPacket
 
 __all__ = [
+    "ChannelClosedError",
     "LaneChannel",
     "LaneDeadError",
     "LaneTransport",
@@ -71,6 +72,10 @@ class LaneUnreachableError(LaneDeadError):
     ActorUnavailableError): this call is lost, a later one may be answered."""
 
 
+class ChannelClosedError(RuntimeError):
+    """A lane call queued after the coordinator shut down."""
+
+
 class StepAborted(RuntimeError):
     """A compiled step's run ended because another lane died: this lane's answer is lost."""
 
@@ -98,6 +103,36 @@ class LaneTransport(Protocol):
 
 _STOP = object()
 _WAKE = object()
+
+
+class _Outbox:
+    """The sender's queue: what is queued before :meth:`close` is still sent, a call queued
+    after it fails at once (no sender is left to send it, and its caller would wait its
+    whole timeout)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def put(self, item: Any) -> None:
+        with self._lock:
+            if not self._closed:
+                self._queue.put(item)
+                return
+        if isinstance(item, tuple):  # (lane, method, args, future, *move futures)
+            error = ChannelClosedError("the coordinator has shut its lane channel down")
+            for future in item[3:]:
+                future.set_exception(error)
+
+    def get(self, timeout: float | None) -> Any:
+        return self._queue.get(timeout=timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(_STOP)
 
 
 class LaneChannel:
@@ -130,7 +165,7 @@ class LaneChannel:
         # carried moves, not yet seen answered.
         self._pending: deque[tuple[int, str, int, Future, bool]] = deque()
         self._pending_lock = threading.Lock()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox = _Outbox()
         # Per lane, the moves decided but not sent (``apply``'s arguments, in seq order).
         # NOTE: taken and queued under _waiting_lock together, so the outbox keeps seq order.
         self._waiting: list[list[tuple]] = [[] for _ in range(cp_size)]
@@ -470,9 +505,12 @@ class LaneChannel:
         with contextlib.suppress(Exception):  # poll() reports failures; here we only wait
             self.outcome(future.result(timeout=timeout), timeout)
 
-    def close(self) -> None:
-        """Stop the sender thread (queued calls are still submitted first)."""
-        self._outbox.put(_STOP)
+    def close(self, timeout: float = 0.0) -> None:
+        """Stop the sender thread (queued calls are still submitted first; later ones fail
+        with :class:`ChannelClosedError`); wait up to ``timeout`` for it to end."""
+        self._outbox.close()
+        if timeout > 0:
+            self._sender.join(timeout)
 
     # ---------------------------------------------------------------- sender
     def _send_loop(self) -> None:

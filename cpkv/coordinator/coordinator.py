@@ -42,7 +42,7 @@ from cpkv.core.graph_slots import GraphSlots
 from cpkv.core.leases import LeaseTable
 from cpkv.core.page_hash import TokenDigest
 from cpkv.core.reply_cache import DROPPED, ReplyCache
-from cpkv.core.steps import StepRequest, StepSequence, check_mode
+from cpkv.core.steps import StepRequest, StepSequence, check_mode, solo_lane
 from cpkv.core.validate import (
     RequestKey,
     as_token_array,
@@ -78,6 +78,9 @@ _MAX_PENDING_MOVES = 2048
 _MOVE_POLL_S = 0.05
 # check(): how long to wait before asking a lane again that is behind its moves.
 _CHECK_RETRY_S = 0.02
+# How long shutdown() waits for the heartbeat and the recoveries to end (a heartbeat round
+# waiting on a hung lane is left to its daemon thread).
+_SHUTDOWN_JOIN_S = 1.0
 # Steps at least this large go to the lanes as one object-store copy (see _worth_sharing).
 _SHARE_MIN_BYTES = 64 << 10
 # Namespace id of requests made without a client id (tests, tools); clients get 2, 3, ...
@@ -108,6 +111,8 @@ class _InflightStep:
     lengths: list[tuple[Hashable, int, _Track]]
     # per lane, the future of (status handle, result handle): a Future or StepHandles
     handles: list[Future | StepHandles]
+    # the lane that alone computes the step (its pages all lie there), or -1
+    solo: int = -1
 
 
 class Coordinator:
@@ -168,11 +173,18 @@ class Coordinator:
         # Steps are numbered in submission order.
         self._step_count = 0
         self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
         self.reset()
         if heartbeat_s > 0:
-            threading.Thread(
-                target=self._heartbeat_loop, args=(heartbeat_s,), daemon=True, name="cpkv-heartbeat"
-            ).start()
+            self._threads.append(
+                threading.Thread(
+                    target=self._heartbeat_loop,
+                    args=(heartbeat_s,),
+                    daemon=True,
+                    name="cpkv-heartbeat",
+                )
+            )
+            self._threads[-1].start()
 
     # ------------------------------------------------------------------ setup
     def hello(
@@ -240,8 +252,15 @@ class Coordinator:
             self._settle_lanes()  # the lanes that came back take pages
 
     def shutdown(self) -> None:
+        """Stop the heartbeat, the lane recoveries in flight and the lane channel (calls
+        queued after it fail at once); waits up to a second for those threads to end."""
         self._stop.set()
-        self._channel.close()
+        self._supervisor.close()
+        end = time.monotonic() + _SHUTDOWN_JOIN_S
+        self._channel.close(_SHUTDOWN_JOIN_S)
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
+        self._supervisor.wait_recovered(max(0.0, end - time.monotonic()))
 
     # ------------------------------------------------------------- the calls
     def allocate_extend(
@@ -574,14 +593,16 @@ class Coordinator:
                 track = self._tracks[s.rid] = _Track(written=s.prefix_len)
             track.inflight += 1
             lengths.append((s.rid, s.seq_len, track))
-        self._inflight[step.step_id] = _InflightStep(step.step_id, lengths, handles)
+        solo = solo_lane(step.sequences, len(handles)) if len(handles) > 1 else -1
+        self._inflight[step.step_id] = _InflightStep(step.step_id, lengths, handles, solo)
 
     def _settle_steps(self) -> None:
         """Take in the outcome of every step whose lanes have all answered, or one of which
         failed: a success makes its K/V written, a failure marks its requests failed and
         the lane group stale (the failing lane left it, and the others too but for a solo
-        step, which they skipped: they leave it when the next is built). Never blocks; lock
-        held."""
+        step, which they skipped: they leave it when the next is built). A solo step's
+        outcome is its computing lane's: another lane's failure (its death, say) leaves
+        the group stale and the step's requests as they are. Never blocks; lock held."""
         if not self._inflight:
             return
         channel = self._channel
@@ -589,20 +610,23 @@ class Coordinator:
             st = self._inflight[sid]
             if not all(f.done() for f in st.handles):
                 continue
-            error: BaseException | None = next(
-                (f.exception() for f in st.handles if f.exception() is not None), None
-            )
-            statuses = [] if error is not None else [f.result()[0] for f in st.handles]
-            done = channel.done(statuses) if statuses else []
-            for handle, is_done in zip(statuses, done, strict=True):
-                if is_done and error is None:
+            errors = [f.exception() for f in st.handles]
+            # NOTE: a lane's future fails only when its call could not be made (its death).
+            live = [(r, f.result()[0]) for r, f in enumerate(st.handles) if errors[r] is None]
+            done = channel.done([h for _r, h in live]) if live else []
+            for (r, handle), is_done in zip(live, done, strict=True):
+                if is_done:
                     try:
                         channel.outcome(handle, 0.0)
                     except Exception as e:  # the lane's own error, or its death
-                        error = e
+                        errors[r] = e
+            counted = errors if st.solo < 0 else [errors[st.solo]]
+            error = next((e for e in counted if e is not None), None)
             if error is None and not all(done):
                 continue
             del self._inflight[sid]
+            if error is None and any(e is not None for e in errors):  # a lane that skipped it
+                self._supervisor.drop_group()
             if error is None:
                 for _key, length, track in st.lengths:
                     track.written = max(track.written, length)
@@ -823,11 +847,13 @@ class Coordinator:
         """Per-lane counts, counters and lane health; never waits for a lane."""
         with self._lock:
             self._settle_lanes()
+            self._settle_steps()  # a step answered since the last call counts (never blocks)
             states = self._supervisor.states()
             out = self._core.stats()
             out["epoch"] = self.epoch
             out["mirror_mismatches"] = self._supervisor.num_mismatches
             out["slow_heartbeats"] = self._supervisor.num_slow_heartbeats
+            out["heartbeat_errors"] = self._supervisor.num_heartbeat_errors
             out["lane_losses"] = [[lane, len(rids)] for lane, rids in self._losses]
             out["lane_states"] = states
             out["restarting_lanes"] = [r for r, s in enumerate(states) if s == RESTARTING]

@@ -45,7 +45,9 @@ class _Lane:
     Attributes:
         state: ``up``, ``restarting`` or ``dead``.
         incarnation: the lane process's id as of its last reset.
-        last_answer: when it last answered a heartbeat (or came back); ``None`` while not up.
+        heartbeat: its heartbeat in flight, sent and not yet answered (``None``: none is).
+        unanswered_since: when the oldest heartbeat it has not answered was sent (``None``:
+            it answered the last one); a heartbeat that came back with an error is no answer.
         lost: why it was seen lost since the last :meth:`LaneSupervisor.settle` (``None``: it
             was not).
         back: it came back since the last settle (it takes pages again from then on).
@@ -53,9 +55,23 @@ class _Lane:
 
     state: str = RESTARTING
     incarnation: str | None = None
-    last_answer: float | None = None
+    heartbeat: Any = None
+    unanswered_since: float | None = None
     lost: str | None = None
     back: bool = False
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A heartbeat a round reads: the incarnation and generation known when it was sent, its
+    reply's future, and whether this round sent it (a heartbeat still unanswered from an
+    earlier round is read again, not stacked behind by another: its page count is of the
+    moves decided when it was sent, so it is not compared with the mirror of now)."""
+
+    known: str | None
+    gen: str | None
+    future: Any
+    fresh: bool
 
 
 class LaneSupervisor:
@@ -67,7 +83,7 @@ class LaneSupervisor:
         restart_timeout_s: how long a lost lane may take to come back.
         num_pages: the shard size a reset (re)allocates (a restarted lane sized from free
             memory has no shard until then).
-        hang_s: a lane whose heartbeats go unanswered this long is hung: it is killed
+        hang_s: a lane that leaves a heartbeat unanswered this long is hung: it is killed
             (``kill``) and brought back like a dead one. ``None``: a slow lane is only
             counted, never killed.
         kill: ends a lane's process so that it restarts (Ray: ``ray.kill``).
@@ -94,9 +110,11 @@ class LaneSupervisor:
         # The allocator's record of the lanes that take pages (given by restart_all).
         self._availability: LaneAvailability | None = None
         self._threads: list[threading.Thread] = []
+        self._closed = threading.Event()  # recoveries stop retrying (the coordinator shut down)
         self._last_poll = 0.0
         self.num_mismatches = 0
         self.num_slow_heartbeats = 0
+        self.num_heartbeat_errors = 0
         self.num_hung = 0
         # The lanes' collective group: built before a step (ensure_group), stale (None) after a
         # lane is lost or comes back, or a step failed. Builds take _group_lock, one at a time.
@@ -167,10 +185,15 @@ class LaneSupervisor:
             t.join(None if end is None else max(0.0, end - time.monotonic()))
         return not any(t.is_alive() for t in threads)
 
+    def close(self) -> None:
+        """Stop the recoveries in flight (they end at their next retry) and start none."""
+        self._closed.set()
+
     def _recover(self, lane: int) -> None:
         """Take ``lane`` out and start its reset into a new generation (lock held)."""
         row = self._lanes[lane]
-        row.state, row.last_answer, row.lost, row.back = RESTARTING, None, None, False
+        row.state, row.lost, row.back = RESTARTING, None, False
+        row.heartbeat = row.unanswered_since = None
         self._availability.set_available(lane, False)
         self._drop_group_locked()
         gen = self._channel.new_generation(lane)
@@ -186,8 +209,8 @@ class LaneSupervisor:
         deadline = time.monotonic() + self._restart_timeout_s
         deaths = 0
         while True:
-            if self._channel.generation(lane) != gen:
-                return  # lost again or reset meanwhile: a newer recovery owns it
+            if self._channel.generation(lane) != gen or self._closed.is_set():
+                return  # lost again or reset meanwhile (a newer recovery owns it), or shut down
             left = deadline - time.monotonic()
             try:
                 incarnation = self._channel.call(
@@ -204,13 +227,13 @@ class LaneSupervisor:
                             self._lanes[lane].state = DEAD
                     logger.error("lane %d did not come back: %s", lane, type(e).__name__)
                     return
-                time.sleep(0.05)
+                self._closed.wait(0.05)
         with self._lock:
             if self._channel.generation(lane) != gen:
                 return  # lost again meanwhile: a newer recovery owns it
             row = self._lanes[lane]
             row.incarnation, row.state, row.back = incarnation, UP, True
-            row.last_answer = time.monotonic()
+            row.heartbeat = row.unanswered_since = None
             self._drop_group_locked()  # the restarted lane joins a new group
 
     def _report_lost(self, lane: int, gen: str | None, why: str) -> None:
@@ -232,52 +255,70 @@ class LaneSupervisor:
         ]
 
     # --------------------------------------------------------------- heartbeat
-    def send_heartbeats(self) -> dict[int, tuple[str | None, str | None, Any]]:
+    def send_heartbeats(self) -> dict[int, _Sent]:
         """Queue a heartbeat to every serving lane, behind its page moves (those still
-        waiting for a step are sent first: the count a lane answers includes them).
+        waiting for a step are sent first: the count a lane answers includes them); a lane
+        whose last heartbeat is still unanswered gets none: that one is read again.
 
         NOTE: the coordinator's lock is held, so the replies compare with its mirror as it
         is now.
 
         Returns:
-            per lane ``(incarnation known, generation, future of the reply)``.
+            per lane, the heartbeat to read (:meth:`replies`, :meth:`heartbeat`).
         """
         self._channel.flush()
         # A lane counts its pages only once it has applied every move queued so far (those
         # riding in compiled steps do not travel behind the heartbeat).
         fence = self._channel.fence()
+        sent = {}
         with self._lock:
-            return {
-                r: (
-                    row.incarnation,
-                    self._channel.generation(r),
-                    self._channel.submit(r, "heartbeat", fence[r]),
-                )
-                for r, row in enumerate(self._lanes)
-                if row.state == UP
-            }
+            now = time.monotonic()
+            for r, row in enumerate(self._lanes):
+                if row.state != UP:
+                    continue
+                fresh = row.heartbeat is None
+                if fresh:
+                    row.heartbeat = self._channel.submit(r, "heartbeat", fence[r])
+                    if row.unanswered_since is None:
+                        row.unanswered_since = now
+                sent[r] = _Sent(row.incarnation, self._channel.generation(r), row.heartbeat, fresh)
+        return sent
 
     def replies(
-        self, sent: dict[int, tuple[str | None, str | None, Any]], timeout: float
+        self, sent: dict[int, _Sent], timeout: float
     ) -> Iterator[tuple[int, str | None, str | None, Any]]:
         """``(lane, known, generation, reply)`` for each heartbeat sent, the reply being
-        ``(incarnation, held)`` or the error that came instead; waits without any lock."""
-        for r, (known, gen, future) in sent.items():
+        ``(incarnation, held)`` or the error that came instead (``TimeoutError``: not
+        answered yet; it is read again next round); waits without any lock. ``held`` is
+        ``None`` where it cannot be compared with the mirror (a heartbeat of an earlier
+        round, or one that a move riding in a step is still to reach)."""
+        for r, hb in sent.items():
             try:
-                reply = self._channel.result(future, timeout)
+                reply = self._channel.result(hb.future, timeout)
             except Exception as e:
                 reply = e
-            yield r, known, gen, reply
+            if not isinstance(reply, TimeoutError):
+                self._answered(r, hb.future, answered=not isinstance(reply, BaseException))
+            if not hb.fresh and not isinstance(reply, BaseException):
+                reply = (reply[0], None)
+            yield r, hb.known, hb.gen, reply
 
-    def heartbeat(
-        self,
-        sent: dict[int, tuple[str | None, str | None, Any]],
-        expected_held: list[int],
-        timeout: float,
-    ) -> None:
+    def _answered(self, lane: int, future: Any, answered: bool) -> None:
+        """``future``, ``lane``'s heartbeat, came back: the next round sends another. An
+        error is no answer: the lane's hang clock keeps running."""
+        with self._lock:
+            row = self._lanes[lane]
+            if row.heartbeat is not future:  # reset meanwhile: the row is a new incarnation's
+                return
+            row.heartbeat = None
+            if answered:
+                row.unanswered_since = None
+
+    def heartbeat(self, sent: dict[int, _Sent], expected_held: list[int], timeout: float) -> None:
         """Read one heartbeat round: record lanes that died, restarted or hung; count those
         that disagree with the mirror (``expected_held`` pages per lane). A slow lane is not
-        a lost lane: only a dead, restarted or hung one is."""
+        a lost lane: only a dead, restarted or hung one is; a lane whose heartbeat came back
+        with an error of another kind is logged and counted, and the round reads the rest."""
         if self._hang_s is not None:
             timeout = min(timeout, max(0.1, self._hang_s / 2))
         for r, known, gen, reply in self.replies(sent, timeout):
@@ -285,12 +326,15 @@ class LaneSupervisor:
                 self.num_slow_heartbeats += 1
                 self._check_hung(r, gen)
                 continue
-            with self._lock:
-                self._lanes[r].last_answer = time.monotonic()
-            if isinstance(reply, LaneDeadError):
+            # NOTE: unreachable is not a death (Ray: "may be available later"); a lane
+            # that restarted answers its next heartbeat as another incarnation.
+            if isinstance(reply, LaneDeadError) and not isinstance(reply, LaneUnreachableError):
                 incarnation, held = None, None
             elif isinstance(reply, BaseException):
-                raise reply
+                self.num_heartbeat_errors += 1
+                logger.warning("lane %d heartbeat: %s: %s", r, type(reply).__name__, reply)
+                self._check_hung(r, gen)
+                continue
             else:
                 incarnation, held = reply
             if incarnation != known:
@@ -302,12 +346,13 @@ class LaneSupervisor:
                 )
 
     def _check_hung(self, lane: int, gen: str | None) -> None:
-        """A lane silent for ``hang_s`` (alive but not answering: stopped, deadlocked, stuck
-        in a collective) is treated as lost: killed, so that it restarts, and reset."""
+        """A lane that left a heartbeat unanswered for ``hang_s`` (alive but not answering:
+        stopped, deadlocked, stuck in a collective) is treated as lost: killed, so that it
+        restarts, and reset."""
         with self._lock:
             row = self._lanes[lane]
-            last = row.last_answer
-            if self._hang_s is None or last is None or time.monotonic() - last < self._hang_s:
+            since = row.unanswered_since
+            if self._hang_s is None or since is None or time.monotonic() - since < self._hang_s:
                 return
             if self._channel.generation(lane) != gen or row.state != UP or row.lost is not None:
                 return
@@ -323,7 +368,7 @@ class LaneSupervisor:
             if self._channel.generation(lane) != gen or row.state != UP or row.lost is not None:
                 return
             self.num_hung += 1
-            row.lost = f"hung: no heartbeat answered for {self._hang_s:.1f}s"
+            row.lost = f"hung: a heartbeat unanswered for {self._hang_s:.1f}s"
 
     def probe(self, lane: int, timeout: float) -> bool:
         """True when ``lane`` answers as the incarnation we know; else the lane is recorded
