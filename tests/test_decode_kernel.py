@@ -133,6 +133,7 @@ def test_splits_fill_the_device_and_stay_in_range():
         (lambda a: {**a, "sm_scale": float("inf")}, "finite"),
         (lambda a: {**a, "sm_scale": "0.25"}, "finite"),
         (lambda a: {**a, "num_splits": 2.5}, "num_splits"),
+        (lambda a: {**a, "sm_scale": True}, "got True"),
     ],
     ids=[
         "head-dim",
@@ -148,6 +149,7 @@ def test_splits_fill_the_device_and_stay_in_range():
         "scale-inf",
         "scale-str",
         "splits-float",
+        "scale-bool",
     ],
 )
 def test_decode_rejects_misuse_with_the_numbers(change, match):

@@ -76,8 +76,21 @@ def test_rope_qkv_matches_transformers_formula(t, hq, hkv, d, dtype):
         (lambda: rms_norm(torch.ones(2, 4), torch.ones(4).half(), 1e-5), "weight has dtype"),
         (lambda: rope_qkv(torch.ones(2, 30), torch.ones(2, 5), torch.ones(2, 5), 4, 1), "even"),
         (lambda: rope_qkv(torch.ones(2, 24), torch.ones(3, 4), torch.ones(3, 4), 4, 1), "cos"),
+        (lambda: rms_norm(torch.ones(2, 4), torch.ones(4), float("nan")), "eps must be a finite"),
+        (lambda: rms_norm(torch.ones(2, 4), torch.ones(4), -1.0), r"eps must .* >= 0, got -1.0"),
+        (lambda: rms_norm(torch.ones(2, 4), torch.ones(4), "1e-6"), "eps must be a finite"),
+        (lambda: rms_norm(torch.ones(2, 4), torch.ones(4), True), "got True"),
     ],
-    ids=["norm-width", "norm-dtype", "rope-odd-dim", "rope-rows"],
+    ids=[
+        "norm-width",
+        "norm-dtype",
+        "rope-odd-dim",
+        "rope-rows",
+        "norm-eps-nan",
+        "norm-eps-negative",
+        "norm-eps-str",
+        "norm-eps-bool",
+    ],
 )
 def test_model_kernels_reject_misuse(call, match):
     with pytest.raises(ValueError, match=match):

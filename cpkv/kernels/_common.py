@@ -6,6 +6,7 @@ Nothing here imports the rest of :mod:`cpkv`, so ``import cpkv.kernels`` works o
 from __future__ import annotations
 
 import logging
+import math
 import os
 import types
 from collections.abc import Callable, Iterable
@@ -203,6 +204,20 @@ def check_hint(kernel: str, name: str, value: int | None) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{kernel}: {name} must be a non-negative int or None, got {value!r}")
+
+
+def check_real(kernel: str, name: str, value: object, *, positive: bool) -> float:
+    """Check a host-side real number (not a bool): finite and ``> 0`` (``positive``) or
+    ``>= 0``.
+
+    Raises:
+        ValueError: naming ``value``.
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{kernel}: {name} must be a finite number {bound}, got {value!r}")
+    return float(value)
 
 
 def check_kv_shards(kernel: str, k_shard: object, v_shard: object) -> torch.Tensor:

@@ -14,6 +14,7 @@ from cpkv.kernels._common import (
     KV_DTYPES,
     cdiv,
     check_hint,
+    check_real,
     check_same_device,
     check_tensor,
     for_current_mode,
@@ -336,12 +337,7 @@ def _validate(
             f"{tuple(pages.cu_pages.shape)}; both must be [B + 1] for the same B"
         )
     # NOTE: > 0 so the row max of the scaled scores is the scaled row max (one FMA per score).
-    if (
-        isinstance(sm_scale, bool)
-        or not isinstance(sm_scale, (int, float))
-        or not (math.isfinite(sm_scale) and sm_scale > 0)
-    ):
-        raise ValueError(f"{_NAME}: sm_scale must be a finite number > 0, got {sm_scale!r}")
+    check_real(_NAME, "sm_scale", sm_scale, positive=True)
     check_hint(_NAME, "max_q_len", max_q_len)
     if out_dtype not in KV_DTYPES:
         raise ValueError(f"{_NAME}: out_dtype must be one of {KV_DTYPES}, got {out_dtype!r}")

@@ -10,8 +10,6 @@ the device, so a launch records into a CUDA graph and replays for any context le
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from cpkv.kernels import naive
@@ -20,6 +18,7 @@ from cpkv.kernels._common import (
     INT_DTYPES,
     KV_DTYPES,
     cdiv,
+    check_real,
     check_same_device,
     check_tensor,
     for_current_mode,
@@ -195,8 +194,7 @@ def _validate(
         raise ValueError(
             f"{_NAME}: block_table must have unit stride on pages, got {block_table.stride()}"
         )
-    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"{_NAME}: sm_scale={sm_scale!r} must be a finite number > 0")
+    check_real(_NAME, "sm_scale", sm_scale, positive=True)
     if num_splits is not None and (
         isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1
     ):

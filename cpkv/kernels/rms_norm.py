@@ -8,6 +8,7 @@ from cpkv.kernels import naive
 from cpkv.kernels._common import (
     HAS_TRITON,
     KV_DTYPES,
+    check_real,
     check_same_device,
     check_tensor,
     for_current_mode,
@@ -61,7 +62,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         ``[T, H]`` contiguous, dtype of ``x``.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices or strides.
+        ValueError: bad shapes, dtypes, devices or strides; ``eps`` not a finite number
+            ``>= 0``.
     """
     x = check_tensor(_NAME, "x", x, ndim=2, dtypes=KV_DTYPES)
     weight = check_tensor(_NAME, "weight", weight, ndim=1, dtypes=(x.dtype,), contiguous=True)
@@ -69,6 +71,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"{_NAME}: x has {x.shape[1]} columns but weight has {weight.shape[0]}")
     if x.shape[1] > 1 and x.stride(1) != 1:
         raise ValueError(f"{_NAME}: x must have unit stride on H, got strides {x.stride()}")
+    eps = check_real(_NAME, "eps", eps, positive=False)
     device = check_same_device(_NAME, x=x, weight=weight)
     t, h = x.shape
     if t == 0 or h == 0 or not use_triton(_NAME, device):
