@@ -12,11 +12,19 @@ against the exchange itself. With a GPU the same groups run on CUDA IPC in
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import gc
+import glob
 import json
 import os
+import threading
 import time
 import traceback
+import uuid
+import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,9 +42,20 @@ from cpkv.lanes.ipc_book import (
     grown_capacity,
     to_all_layout,
 )
-from cpkv.lanes.ipc_device import EventOrderError, FakeIpcDevice
+from cpkv.lanes.ipc_device import CudaIpcDevice, EventOrderError, FakeIpcDevice
 
 TIMEOUT_S = 30.0
+SHM = os.path.dirname(board_path("x"))
+
+
+def remove_fake_files(name: str) -> list[str]:
+    """Remove the stand-in files of :class:`FakeIpcDevice` ``(name)``s; their names."""
+    paths = sorted(glob.glob(os.path.join(SHM, f"cpkv-fake-{name}-*")))
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return paths
+
 
 # --- bookkeeping without processes ---
 
@@ -194,12 +213,12 @@ class FailingOpen(FakeIpcDevice):
         raise RuntimeError("cannot map this peer")
 
 
-def lane_main(rank: int, ws: int, ports: list[int], out_dir: str, kind: str) -> None:
+def lane_main(rank: int, ws: int, ports: list[int], out_dir: str, kind: str, name: str) -> None:
     torch.set_num_threads(1)
     device = torch.device("cuda:0" if kind == "cuda" else "cpu")
 
     def adaptor() -> FakeIpcDevice | None:
-        return FakeIpcDevice() if kind == "fake" else None  # None: CUDA IPC on device
+        return FakeIpcDevice(name) if kind == "fake" else None  # None: CUDA IPC on device
 
     report: dict = {"rank": rank, "fatal": None, "phases": []}
     try:
@@ -236,7 +255,7 @@ def lane_main(rank: int, ws: int, ports: list[int], out_dir: str, kind: str) -> 
             group.destroy()
             group.destroy()
         # Phase 2: lane 1 cannot map its peers: every lane falls back to gloo together.
-        dev = FailingOpen() if rank == 1 else FakeIpcDevice()
+        dev = FailingOpen(name) if rank == 1 else FakeIpcDevice(name)
         group = LaneGroup.create(
             rank, ws, "127.0.0.1", ports[2], "cuda_ipc", TIMEOUT_S, exchange_device=dev
         )
@@ -253,7 +272,7 @@ def lane_main(rank: int, ws: int, ports: list[int], out_dir: str, kind: str) -> 
             "cuda_ipc",
             TIMEOUT_S,
             device=device,
-            exchange_device=StuckAfterDeath() if kind == "fake" else None,
+            exchange_device=StuckAfterDeath(name) if kind == "fake" else None,
         )
         ones = torch.ones(2, 3, device=device)
         for _ in range(2):
@@ -287,16 +306,18 @@ KINDS = ["fake"] + (["cuda"] if torch.cuda.is_available() else [])
 def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("ipc")
     ports = [free_port() for _ in range(4)]
-    before = set(os.listdir(os.path.dirname(board_path("x"))))
-    mp.spawn(lane_main, args=(WS, ports, str(out), request.param), nprocs=WS, join=True)
+    name = uuid.uuid4().hex
+    before = set(os.listdir(SHM))
+    try:
+        mp.spawn(lane_main, args=(WS, ports, str(out), request.param, name), nprocs=WS, join=True)
+    finally:
+        # The killed lane's stand-in files (a real GPU frees its buffers with the process).
+        remove_fake_files(name)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WS)]
     fatal = [r["fatal"] for r in reports if r["fatal"]]
     assert not fatal, "\n".join(fatal)
-    new = set(os.listdir(os.path.dirname(board_path("x")))) - before
+    new = set(os.listdir(SHM)) - before
     reports[0]["left_behind"] = sorted(f for f in new if f.startswith("cpkv-board-"))
-    for f in new:  # the killed lane's stand-in buffers (a real GPU frees them with the process)
-        if f.startswith("cpkv-fake-"):
-            os.unlink(os.path.join(os.path.dirname(board_path("x")), f))
     return reports
 
 
@@ -407,8 +428,8 @@ class DiesWhileMapping(FakeIpcDevice):
         os._exit(0)  # exit code 0: mp.spawn would stop lane 0 too on another
 
 
-def half_built_main(rank: int, port: int, out_dir: str) -> None:
-    dev = DiesWhileMapping() if rank == 1 else FakeIpcDevice()
+def half_built_main(rank: int, port: int, out_dir: str, name: str) -> None:
+    dev = DiesWhileMapping(name) if rank == 1 else FakeIpcDevice(name)
     report: dict = {}
     try:
         LaneGroup.create(rank, 2, "127.0.0.1", port, "cuda_ipc", 10.0, exchange_device=dev)
@@ -450,6 +471,196 @@ def test_a_group_that_fails_halfway_leaves_the_process_as_it_found_it(tmp_path: 
     """A peer dying while the ``cuda_ipc`` group is built fails the build after the gloo
     group started: left behind, it refused every later group of this lane (no restart
     either: the actor lives), and the exchange it mapped stayed open."""
-    mp.spawn(half_built_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    name = uuid.uuid4().hex
+    try:
+        mp.spawn(half_built_main, args=(free_port(), str(tmp_path), name), nprocs=2, join=True)
+    finally:
+        dead_lanes = remove_fake_files(name)  # lane 1 died without closing its stand-in
     report = json.loads((tmp_path / "half0.json").read_text())
     assert report == {"create": "RuntimeError", "initialized": False, "files_left": []}, report
+    assert len(dead_lanes) == 5, dead_lanes  # lane 1's buffer and 4 events, now removed
+
+
+# --- lanes as threads on one store (no processes): setup failures, teardown, refusals ---
+
+
+def run_lanes(lane: Any, ws: int = 2) -> dict[int, BaseException]:
+    """Run ``lane(rank)`` for every rank in threads; the exceptions they raised."""
+    errors: dict[int, BaseException] = {}
+
+    def body(rank: int) -> None:
+        try:
+            lane(rank)
+        except BaseException as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(ws)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def hash_store(timeout_s: float) -> dist.Store:
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
+class NoUuid(FakeIpcDevice):
+    """A stand-in whose device cannot be queried (as ``CudaIpcDevice(device)`` failing)."""
+
+    __slots__ = ()
+
+    def uuid(self) -> str:
+        raise RuntimeError("cannot query the device")
+
+
+SETUP_TIMEOUT_S = 4.0
+
+
+@pytest.mark.parametrize(
+    ("where", "failing"), [("board", 0), ("board", 1), ("adaptor", 0), ("adaptor", 1)]
+)
+def test_a_lane_failing_early_in_setup_fails_its_peer_at_once(
+    monkeypatch: pytest.MonkeyPatch, where: str, failing: int
+) -> None:
+    """A lane that failed before it published its handles (its board, its adaptor in
+    ``LaneGroup._build_ipc``) told nobody: its peer waited the store's whole timeout, and lane
+    0's board file stayed in /dev/shm for good (only unlinked once every lane opened it)."""
+    from cpkv.lanes import ipc
+
+    real_board = ipc.Board
+
+    def board(path: str, world_size: int, rank: int, *, create: bool = False) -> Board:
+        if where == "board" and rank == failing:
+            raise FileNotFoundError(path)  # e.g. lanes that do not share /dev/shm
+        return real_board(path, world_size, rank, create=create)
+
+    monkeypatch.setattr(ipc, "Board", board)
+    store, generation, name = hash_store(SETUP_TIMEOUT_S), uuid.uuid4().hex, uuid.uuid4().hex
+    prefix = f"cpkv/ipc/{generation}"
+    took: dict[int, float] = {}
+
+    def lane(rank: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            if where == "adaptor" and rank == failing:
+                cpu = torch.device("cpu")
+                LaneGroup._build_ipc(rank, 2, store, generation, cpu, SETUP_TIMEOUT_S, NoUuid(name))
+            else:  # what _build_ipc runs once its adaptor is up
+                ipc.IpcExchange(rank, 2, store, prefix, FakeIpcDevice(name), SETUP_TIMEOUT_S)
+        finally:
+            took[rank] = time.perf_counter() - t0
+
+    try:
+        errors = run_lanes(lane)
+    finally:
+        left = remove_fake_files(name)
+        boards = glob.glob(board_path(prefix.replace("/", "-")))
+        for path in boards:
+            os.unlink(path)
+    peer = 1 - failing
+    assert sorted(errors) == [0, 1], errors
+    assert f"lane {failing} could not set up its exchange" in str(errors[peer]), errors[peer]
+    assert took[peer] < SETUP_TIMEOUT_S / 2, f"lane {peer} waited {took[peer]:.1f} s"
+    assert boards == [] and left == [], (boards, left)
+
+
+class NeverDone:
+    """A CUDA event recorded on a stream stuck on a dead peer's event (never completes)."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
+
+
+class RetiringStandIn(FakeIpcDevice):
+    """Stand-in buffers with :class:`CudaIpcDevice`'s own bookkeeping of retired mappings."""
+
+    __slots__ = ("_retired", "stuck")
+
+    def __init__(self, name: str = "") -> None:
+        super().__init__(name)
+        self._retired: list = []
+        self.stuck = False
+
+    retire = CudaIpcDevice.retire
+    collect = CudaIpcDevice.collect
+
+    def quiesce(self, grace_s: float = 0.0) -> bool:
+        return not self.stuck
+
+
+def test_a_stuck_close_keeps_the_retired_peer_mappings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stuck close kept the exchange's mappings in the graveyard but not the peer mappings it
+    had retired to its adaptor (after a peer's regrowth): they were freed with the adaptor, and
+    on CUDA freeing a received IPC storage synchronizes the stuck stream (a hang under the
+    GIL)."""
+    from cpkv.lanes.ipc import _GRAVEYARD, IpcExchange
+
+    monkeypatch.setattr(torch.cuda, "Event", NeverDone)  # what retire/collect touch on CPU
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    store, name = hash_store(10.0), uuid.uuid4().hex
+    devs = [RetiringStandIn(name), RetiringStandIn(name)]
+    exs: list[Any] = [None, None]
+
+    def lane(rank: int) -> None:
+        ex = exs[rank] = IpcExchange(rank, 2, store, f"stuck/{name}", devs[rank], 10.0)
+        small = torch.zeros(4, 4)
+        ex.all_gather_rows(small, [4, 4])
+        big = torch.zeros(70000, 4)  # > 1 MiB: lane 1 regrows, lane 0 retires its old mapping
+        ex.all_gather_rows(big if rank == 1 else small, [4, 70000])
+
+    graves = len(_GRAVEYARD)
+    try:
+        assert run_lanes(lane) == {}
+        refs = [weakref.ref(m) for m, _ in devs[0]._retired]
+        assert refs, "lane 0 retired its mapping of lane 1's first buffer"
+        devs[0].stuck = True  # lane 1 died with a write queued: lane 0's stream never drains
+        for ex in exs:
+            ex.close()
+        assert exs[0].stuck and len(_GRAVEYARD) == graves + 1
+        exs.clear()
+        devs.clear()
+        gc.collect()  # the worker drops its group
+        assert all(r() is not None for r in refs), "a retired mapping was freed after a stuck close"
+    finally:
+        del _GRAVEYARD[graves:]
+        remove_fake_files(name)
+
+
+def test_all_to_all_rows_refuses_mixed_dtypes_before_exchanging() -> None:
+    """The exchange copies each part's raw bytes in the layout of ``send[0]``: parts of another
+    dtype arrived as reinterpreted bits (or failed mid-collective), not refused."""
+    from cpkv.lanes.ipc import IpcExchange
+
+    store, name = hash_store(10.0), uuid.uuid4().hex
+    got: dict[int, list[torch.Tensor]] = {}
+    refused: list[str] = []
+
+    def lane(rank: int) -> None:
+        dev = FakeIpcDevice(name)
+        ex = IpcExchange(rank, 2, store, f"dtypes/{name}", dev, 3.0)
+        group = LaneGroup(rank, 2, "cuda_ipc", "gen", dev.device, store, ex)
+        try:
+            if rank == 0:
+                mixed = [torch.tensor([[1.5, 2.5]]), torch.tensor([[7, 8]], dtype=torch.int32)]
+                with pytest.raises(ValueError, match="send dtypes differ") as e:
+                    group.all_to_all_rows(mixed, [1, 1])
+                refused.append(str(e.value))
+                assert ex.stats.exchanges == 0 and ex._book.seq == 0  # no exchange started
+            send = [torch.full((1, 2), 10.0 * rank + q) for q in range(2)]
+            got[rank] = group.all_to_all_rows(send, [1, 1])
+        finally:
+            group.destroy()
+
+    assert run_lanes(lane) == {}
+    assert "torch.float32" in refused[0] and "torch.int32" in refused[0], refused
+    for rank in range(2):  # the lanes' next exchange is unaffected
+        want = [torch.full((1, 2), 10.0 * p + rank) for p in range(2)]
+        assert all(torch.equal(g, w) for g, w in zip(got[rank], want, strict=True)), got
+    assert remove_fake_files(name) == []

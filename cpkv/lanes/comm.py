@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from cpkv.core.backend import choose_backend
 from cpkv.lanes.clock import StreamClock
-from cpkv.lanes.ipc import ExchangeStats, IpcExchange
+from cpkv.lanes.ipc import ExchangeStats, IpcExchange, publish_setup_failure
 
 __all__ = ["BACKENDS", "LaneGroup", "choose_backend", "free_port"]
 
@@ -265,12 +265,16 @@ class LaneGroup:
     ) -> LaneGroup:
         """:meth:`_create_ipc` past the gloo group's start; closes its exchange if it fails."""
         prefix = f"cpkv/ipc/{generation}"
-        if adaptor is None:
-            from cpkv.lanes.ipc_device import CudaIpcDevice
+        try:
+            if adaptor is None:
+                from cpkv.lanes.ipc_device import CudaIpcDevice
 
-            adaptor = CudaIpcDevice(device)
-        device = adaptor.device
-        store.set(f"{prefix}/uuid/{rank}", adaptor.uuid())
+                adaptor = CudaIpcDevice(device)
+            device = adaptor.device
+            store.set(f"{prefix}/uuid/{rank}", adaptor.uuid())
+        except Exception as e:  # the peers wait for this lane's handles: fail them at once
+            publish_setup_failure(store, prefix, rank, e)
+            raise
         exchange, why = None, ""
         try:
             exchange = IpcExchange(rank, world_size, store, prefix, adaptor, timeout_s)
@@ -414,7 +418,7 @@ class LaneGroup:
             tensors' device.
 
         Raises:
-            ValueError: wrong number of tensors or counts, mismatched trailing shapes.
+            ValueError: wrong number of tensors or counts, mismatched trailing shapes or dtypes.
         """
         self._check_alive()
         if len(send) != self.world_size:
@@ -427,6 +431,9 @@ class LaneGroup:
             raise ValueError(
                 f"all_to_all_rows: send shapes differ: {[tuple(s.shape) for s in send]}"
             )
+        # NOTE: checked here, before any collective: the device exchange copies raw bytes.
+        if any(s.dtype != send[0].dtype for s in send):
+            raise ValueError(f"all_to_all_rows: send dtypes differ: {[s.dtype for s in send]}")
         if self.world_size == 1:
             if send[0].shape[0] != recv_counts[0]:
                 raise ValueError(

@@ -34,7 +34,7 @@ import torch
 from cpkv.lanes.ipc_board import Board, PeerGoneError, board_path
 from cpkv.lanes.ipc_book import GATHER, GROW_QUANTUM, TO_ALL, SlotBook, to_all_layout
 
-__all__ = ["ExchangeStats", "IpcExchange", "PeerGoneError"]
+__all__ = ["ExchangeStats", "IpcExchange", "PeerGoneError", "publish_setup_failure"]
 
 logger = logging.getLogger("cpkv.ipc")
 
@@ -117,15 +117,13 @@ class IpcExchange:
         self._closed = False
         self.stuck = False  # set by close(): device work still pending (a dead peer's event)
         self._peers: dict[int, _Peer] = {}
-        board_name = board_path(prefix.replace("/", "-"))
-        if rank == 0:
-            self.board = Board(board_name, world_size, rank, create=True)
-            store.set(self._key("board"), board_name)
-        else:
-            self.board = Board(store.get(self._key("board")).decode(), world_size, rank)
-        if store.add(self._key("board_opened"), 1) == world_size:
-            self.board.unlink()  # every lane mapped it: nothing left behind if one dies
+        # NOTE: set before anything can fail, so close() can tear down a half-built exchange.
+        self.board: Board | None = None
+        self._buf: Any = None
+        self._written: list[Any] = []
+        self._consumed: list[Any] = []
         try:
+            self._open_board()
             self._buf = adaptor.alloc(2 * self._book.capacity)
             self._written = [adaptor.new_event(), adaptor.new_event()]
             self._consumed = [adaptor.new_event(), adaptor.new_event()]
@@ -135,7 +133,8 @@ class IpcExchange:
                 "consumed": [adaptor.export_event(e) for e in self._consumed],
             }
         except Exception as e:  # tell the peers at once instead of letting them time out
-            store.set(self._key(f"events/{rank}"), json.dumps({"error": repr(e)}))
+            publish_setup_failure(store, prefix, rank, e)
+            self.close()
             raise
         store.set(self._key(f"events/{rank}"), json.dumps(mine))
         try:
@@ -154,6 +153,21 @@ class IpcExchange:
         except Exception:
             self.close()
             raise
+
+    def _open_board(self) -> None:
+        """Create (lane 0) or open the group's host board."""
+        if self.rank == 0:
+            name = board_path(self._prefix.replace("/", "-"))
+            self.board = Board(name, self.world_size, self.rank, create=True)
+            self._store.set(self._key("board"), name)
+        else:
+            name = self._store.get(self._key("board")).decode()
+            if not name:  # lane 0 failed before it made the board
+                desc = json.loads(self._store.get(self._key("events/0")))
+                raise RuntimeError(f"lane 0 could not set up its exchange: {desc['error']}")
+            self.board = Board(name, self.world_size, self.rank)
+        if self._store.add(self._key("board_opened"), 1) == self.world_size:
+            self.board.unlink()  # every lane mapped it: nothing left behind if one dies
 
     # --- handles ---
 
@@ -335,14 +349,17 @@ class IpcExchange:
         return stats
 
     def close(self) -> None:
-        """Drop every mapping, event and buffer (idempotent). When this lane's queued device
-        work is not finished (a stream stuck on a dead peer), they are kept alive instead of
-        being closed under a pending copy."""
+        """Drop every mapping, event and buffer (idempotent), and remove the board's file. When
+        this lane's queued device work is not finished (a stream stuck on a dead peer), they are
+        kept alive instead of being closed under a pending copy."""
         if self._closed:
             return
         self._closed = True
-        keep = (self._buf, self._retired, self._peers, self._written, self._consumed)
-        self._unblock_dead()
+        # NOTE: the adaptor too: it holds the peer mappings retired after a regrowth, whose
+        # release on CUDA synchronizes the stream (a hang under the GIL on a stuck one).
+        keep = (self.adaptor, self._buf, self._retired, self._peers, self._written, self._consumed)
+        if self.board is not None:
+            self._unblock_dead()
         if not self.adaptor.quiesce(grace_s=_CLOSE_GRACE_S):
             logger.warning("lane %d: exchange closed with device work pending", self.rank)
             self.stuck = True
@@ -350,13 +367,35 @@ class IpcExchange:
         else:
             for _, buf in self._retired:
                 self.adaptor.release(buf)
-            self.adaptor.release(self._buf)
+            if self._buf is not None:
+                self.adaptor.release(self._buf)
         self._buf, self._retired, self._peers = None, [], {}
-        self.board.leave()
-        self.board.close()
+        if self.board is not None:
+            self.board.leave()
+            # NOTE: lanes that mapped it keep their mapping; one that fails setup before every
+            # lane opened it (or dies) would else leave it in /dev/shm for good.
+            self.board.unlink()
+            self.board.close()
         close = getattr(self.adaptor, "close", None)
         if close is not None:
             close()
+
+
+def publish_setup_failure(store: Any, prefix: str, rank: int, error: BaseException) -> None:
+    """Tell the peers of a group's exchange that lane ``rank`` failed to set its side up, so
+    they fail at once instead of waiting ``timeout_s`` for its handles.
+
+    Args:
+        store, prefix: the group's store and the exchange's key prefix.
+        rank: the lane that failed.
+        error: why.
+    """
+    try:
+        store.set(f"{prefix}/events/{rank}", json.dumps({"error": repr(error)}))
+        if rank == 0:  # the peers wait for the board's name first: no board, fail at once
+            store.set(f"{prefix}/board", "")
+    except Exception:  # the store is gone too: the peers fail at their timeout
+        logger.warning("lane %d: could not publish its setup failure", rank, exc_info=True)
 
 
 def _row_bytes(t: torch.Tensor) -> int:

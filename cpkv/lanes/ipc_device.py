@@ -151,12 +151,19 @@ class FakeIpcDevice:
 
     Buffers are ``/dev/shm`` files mapped as ``uint8`` CPU tensors; an event is one int64 in a
     file holding the tag of its last record.
+
+    Args:
+        name: put in every file's name (``cpkv-fake-{name}-...``), so a test can find and remove
+            the files of a lane that died without :meth:`close`.
     """
 
-    __slots__ = ("_files", "device", "records", "waits")
+    __slots__ = ("_files", "device", "name", "records", "waits")
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "") -> None:
+        if "/" in name:
+            raise ValueError(f"name must be a file name part (no '/'), got {name!r}")
         self.device = torch.device("cpu")
+        self.name = name
         self._files: list[str] = []
         self.records: list[tuple[str, int]] = []  # (event name, tag), in order: for tests
         self.waits: list[tuple[str, int]] = []
@@ -165,7 +172,8 @@ class FakeIpcDevice:
         return "fake-cpu"
 
     def _file(self, nbytes: int) -> str:
-        path = os.path.join(os.path.dirname(board_path("")), f"cpkv-fake-{uuid.uuid4().hex}")
+        stem = f"{self.name}-{uuid.uuid4().hex}" if self.name else uuid.uuid4().hex
+        path = os.path.join(os.path.dirname(board_path("")), f"cpkv-fake-{stem}")
         with open(path, "wb") as f:
             f.truncate(max(nbytes, 8))
         self._files.append(path)
