@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 __all__ = [
     "NAMESPACE",
@@ -13,6 +15,7 @@ __all__ = [
     "keep_ray_on_loopback",
     "local_gpu_count",
     "take_embedded_ray",
+    "tool_ray",
 ]
 
 logger = logging.getLogger("cpkv")
@@ -112,3 +115,23 @@ def embedded_ray_released() -> bool:
     _Embedded.running = False
     ray.shutdown()
     return True
+
+
+@contextlib.contextmanager
+def tool_ray(address: str | None, *, num_lanes: int) -> Iterator[None]:
+    """Ray for a tool's whole run (``cpkv bench``, ``cpkv demo``): started quietly when this
+    process has none (see :func:`ensure_ray`) and stopped at the end. The tool holds a share
+    of an embedded Ray throughout, so the first of its pools to shut down does not stop it
+    under the next (which would then start a fresh, loud one).
+    """
+    started = ensure_ray(address, num_lanes=num_lanes, quiet=True)
+    held = started and address is None and take_embedded_ray()
+    try:
+        yield
+    finally:
+        if held:
+            embedded_ray_released()  # the last share: stops it
+        elif started:
+            import ray
+
+            ray.shutdown()

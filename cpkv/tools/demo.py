@@ -374,7 +374,7 @@ class _Serve:
 def run(cfg: DemoConfig, out: Callable[[str], object] = print) -> DemoResult:
     """Run the demo, print its report through ``out``; the :class:`DemoResult`."""
     import cpkv
-    from cpkv.actors.ray_env import ensure_ray
+    from cpkv.actors.ray_env import tool_ray
 
     t0 = time.monotonic()
     if cfg.model_dir is not None:
@@ -384,8 +384,7 @@ def run(cfg: DemoConfig, out: Callable[[str], object] = print) -> DemoResult:
         model_config = cfg.model_config or small_config()
         model = model_config
     tol = cfg.tolerance if cfg.tolerance is not None else tolerance_for(model_config.dtype)
-    started = ensure_ray(cfg.address, num_lanes=cfg.cp_size, quiet=True)
-    try:
+    with tool_ray(cfg.address, num_lanes=cfg.cp_size):
         pages = cfg.num_pages_per_lane
         if pages is None:
             pages = auto_pages_per_lane(cfg)
@@ -408,11 +407,6 @@ def run(cfg: DemoConfig, out: Callable[[str], object] = print) -> DemoResult:
             return _run(client, ref, cfg, tol, out, t0)
         finally:
             client.shutdown()
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
 
 
 def run_demo(cfg: DemoConfig, out: Callable[[str], object] = print) -> int:
