@@ -188,10 +188,9 @@ def main() -> None:
         print("no CUDA device; skipping")
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
     import transformers
 
-    from cpkv.actors.ray_env import ensure_ray
+    from cpkv.actors.ray_env import tool_ray
     from cpkv.models import preset_config
 
     lengths = [int(x) for x in args.tokens.split(",")]
@@ -208,11 +207,11 @@ def main() -> None:
     copy_bps = copy_bandwidth()
     torch.cuda.empty_cache()
     print(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s (1 GiB, best of 5)")
-    ensure_ray(None, num_lanes=max(cps), quiet=True)  # no Ray warnings here
     payloads = []
-    for n in lengths:
-        payloads.append(run_length(config, n, cps, args.prompts, copy_bps))
-    ray.shutdown()
+    # One quiet Ray for every pool of the run (no Ray warnings here).
+    with tool_ray(None, num_lanes=max(cps)):
+        for n in lengths:
+            payloads.append(run_length(config, n, cps, args.prompts, copy_bps))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(payloads if len(payloads) > 1 else payloads[0], f, indent=1)
@@ -239,7 +238,7 @@ def run_length(config, n: int, cps: list[int], prompts_n: int, copy_bps: float) 
     sdpa_s = sdpa_layer_s(config, n)
     layers = config.num_layers
     rows = []
-    for cp in cps:
+    for cp in sorted(cps, key=lambda c: c != 1):  # cp 1 first: the others compare with it
         row = cpkv_prefill(config, cp, prompts, ref)
         rows.append(row)
         print(
