@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import gc
 import glob
+import itertools
 import json
 import os
 import threading
@@ -664,3 +665,51 @@ def test_all_to_all_rows_refuses_mixed_dtypes_before_exchanging() -> None:
         want = [torch.full((1, 2), 10.0 * p + rank) for p in range(2)]
         assert all(torch.equal(g, w) for g, w in zip(got[rank], want, strict=True)), got
     assert remove_fake_files(name) == []
+
+
+class CountedShares(FakeIpcDevice):
+    """Numbers every export (a CUDA IPC share, which carries a reference count of one) and
+    records each share a peer opens."""
+
+    __slots__ = ()
+    lock = threading.Lock()
+    numbers = itertools.count()
+    opened: list[tuple[int, int]] = []  # (share, opening device's id)
+
+    def export(self, buf: torch.Tensor) -> dict:
+        with self.lock:
+            return {**super().export(buf), "share": next(self.numbers)}
+
+    def open(self, desc: dict) -> torch.Tensor:
+        with self.lock:
+            self.opened.append((desc["share"], id(self)))
+        return super().open(desc)
+
+
+def test_each_peer_opens_a_share_of_its_own_at_three_lanes() -> None:
+    """A share is counted down once by each process that opens it: one share opened by two
+    peers (three lanes or more) would free the block under the second, or never free it."""
+    from cpkv.lanes.ipc import IpcExchange
+
+    store, name = hash_store(10.0), uuid.uuid4().hex
+    CountedShares.opened.clear()
+    # NOTE: a stand-in buffer's file goes with its owner's close; the lanes close together.
+    done = threading.Barrier(3, timeout=10.0)
+
+    def lane(rank: int) -> None:
+        ex = IpcExchange(rank, 3, store, f"shares/{name}", CountedShares(name), 10.0)
+        try:
+            ex.all_gather_rows(torch.zeros(4, 4), [4, 4, 4])
+            big = torch.zeros(70000, 4)  # > 1 MiB: every lane regrows, every peer maps it anew
+            ex.all_gather_rows(big, [70000] * 3)
+            done.wait()
+        finally:
+            ex.close()
+
+    try:
+        assert run_lanes(lane, ws=3) == {}
+    finally:
+        remove_fake_files(name)
+    shares = [share for share, _ in CountedShares.opened]
+    assert len(shares) == 3 * 2 * 2  # 3 lanes x 2 peers x 2 buffers
+    assert len(set(shares)) == len(shares), sorted(shares)

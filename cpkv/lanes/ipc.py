@@ -175,8 +175,15 @@ class IpcExchange:
         return f"{self._prefix}/{name}"
 
     def _publish_buffer(self) -> None:
-        desc = {"capacity": self._book.capacity, **self.adaptor.export(self._buf)}
-        self._store.set(self._key(f"buf/{self.rank}/{self._book.version}"), json.dumps(desc))
+        # NOTE: one export per peer: a CUDA IPC share carries a reference count of one, which
+        # the one process that opens it takes back when it lets go (as torch.multiprocessing
+        # shares a tensor anew for every receiver). A share opened by two peers is counted
+        # down twice: the block is freed under the second, or (count -1) never freed.
+        for q in range(self.world_size):
+            if q != self.rank:
+                desc = {"capacity": self._book.capacity, **self.adaptor.export(self._buf)}
+                key = self._key(f"buf/{self.rank}/{self._book.version}/{q}")
+                self._store.set(key, json.dumps(desc))
 
     def _map(self, p: int, version: int) -> _Peer:
         peer = self._peers[p]
@@ -184,7 +191,7 @@ class IpcExchange:
             return peer
         if version < peer.version:
             raise RuntimeError(f"lane {p} went back from buffer {peer.version} to {version}")
-        desc = json.loads(self._store.get(self._key(f"buf/{p}/{version}")))
+        desc = json.loads(self._store.get(self._key(f"buf/{p}/{version}/{self.rank}")))
         if peer.buffer is not None:
             self.adaptor.retire(peer.buffer)  # read by earlier exchanges still in flight
         peer.buffer, peer.capacity, peer.version = (
