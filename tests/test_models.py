@@ -581,6 +581,93 @@ def test_config_normalisation_and_from_hf_refusals():
     assert ModelConfig.from_hf({**qwen_mixed, "max_window_layers": 28}).sliding_window is None
 
 
+def test_a_tied_config_with_another_stored_lm_head_keeps_it_as_transformers_does(tmp_path, prompt):
+    """A config that ties the embeddings beside an lm_head.weight of other values: transformers
+    keeps the stored head (and warns); taking the embeddings instead gave other logits."""
+    from safetensors.torch import load_file, save_file
+
+    hf = build_hf("llama", seed=7, tie_word_embeddings=False)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    weights = load_file(tmp_path / "model.safetensors")
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = LlamaModel.from_dir(tmp_path)
+    assert model.config.tie_word_embeddings is False
+    pos = torch.arange(prompt.numel())
+    out = model.logits(model.forward(prompt, pos, _full_attend(model)))
+    assert rel_err(out, hf_logits(hf, prompt)) < TOL
+    # The same values stored twice are a tie indeed.
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert LlamaModel.from_dir(tmp_path).config.tie_word_embeddings is True
+
+
+def test_config_fields_read_as_transformers_reads_them():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    base = {"model_type": "llama", **{k: v for k, v in SHAPE.items() if v is not None}}
+    # A top-level original_max_position_embeddings (Phi-3-style converters) overrides the
+    # llama3 block's, as transformers' standardize_rope_params has it.
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+    llama3 |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    d = {**base, "rope_theta": 500.0, "original_max_position_embeddings": 8}
+    d["rope_scaling"] = llama3
+    ours = ModelConfig.from_hf(d)
+    assert ours.rope_scaling["original_max_position_embeddings"] == 8
+    theirs = transformers.LlamaConfig(**{k: v for k, v in d.items() if k != "model_type"})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](theirs, "cpu")
+    assert torch.equal(rope_inv_freq(ours), want)
+    # Qwen2 asking for a sliding window but giving none: every layer is full attention.
+    qwen = {**base, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": None}
+    assert ModelConfig.from_hf({**qwen, "max_window_layers": 1}).sliding_window is None
+    # A 0 (or any value ModelConfig refuses) is refused, not replaced by a default.
+    for key, named in [
+        ("rope_theta", "rope_theta"),
+        ("max_position_embeddings", "max_position_embeddings"),
+        ("num_key_value_heads", "num_kv_heads"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            ModelConfig.from_hf({**base, key: 0})
+    # A JSON null is "not given" still.
+    assert ModelConfig.from_hf({**base, "num_key_value_heads": None}).num_kv_heads == 6
+
+
+def test_a_checkpoint_dir_reads_model_safetensors_before_other_files_and_refuses_bad_indexes(
+    tmp_path,
+):
+    from safetensors.torch import save_file
+
+    from cpkv.models.weights import read_safetensors_dir
+
+    save_file({"a": torch.ones(2)}, tmp_path / "model.safetensors")
+    save_file({"b": torch.ones(2)}, tmp_path / "consolidated.safetensors")  # another format's
+    assert set(read_safetensors_dir(tmp_path)) == {"a"}
+    (tmp_path / "model.safetensors").unlink()
+    assert set(read_safetensors_dir(tmp_path)) == {"b"}
+    index = tmp_path / "model.safetensors.index.json"
+    for text, match in [
+        ("[]", "no weight_map"),
+        ('{"weight_map": {"b": null}}', "not file names"),
+    ]:
+        index.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            read_safetensors_dir(tmp_path)
+
+
+def test_a_model_the_spec_refuses_leaves_no_checkpoint_directory(tmp_path, monkeypatch):
+    import tempfile
+
+    from cpkv.models.spec import ModelSpec
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    windowed = LlamaModel.random(ModelConfig.tiny(sliding_window=8), seed=0)
+    with pytest.raises(ValueError, match="sliding"):
+        ModelSpec.from_source(windowed)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_from_dir_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", **SHAPE}))
     c = ModelConfig.from_dir(tmp_path)

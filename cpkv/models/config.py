@@ -115,6 +115,12 @@ def _normalize_rope_scaling(
     return out
 
 
+def _given(d: Mapping[str, Any], key: str, default: Any) -> Any:
+    """``d[key]`` unless it is absent or ``None`` (a JSON null)."""
+    value = d.get(key)
+    return default if value is None else value
+
+
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder-only LM (pre-norm, RMSNorm, RoPE, GQA, SwiGLU).
@@ -297,13 +303,14 @@ class ModelConfig:
             )
         hidden_size = need("hidden_size")
         num_heads = need("num_attention_heads")
-        num_kv_heads = d.get("num_key_value_heads") or num_heads
+        # NOTE: `is None`, not `or`: a 0 reaches ModelConfig's checks instead of a default.
+        num_kv_heads = _given(d, "num_key_value_heads", num_heads)
         head_dim = d.get("head_dim")
         if head_dim is None:
             if not _is_int(hidden_size) or not _is_int(num_heads) or num_heads < 1:
                 raise ValueError(f"hidden_size={hidden_size!r}, num_heads={num_heads!r}")
             head_dim = hidden_size // num_heads
-        max_pos = d.get("max_position_embeddings") or defaults["max_position_embeddings"]
+        max_pos = _given(d, "max_position_embeddings", defaults["max_position_embeddings"])
 
         # NOTE: as transformers reads a config: a legacy rope_scaling block, when given,
         # replaces rope_parameters whole (rope_theta then from the top level or the default).
@@ -315,7 +322,12 @@ class ModelConfig:
             raise ValueError(f"per-layer-type RoPE parameters are not supported: {sorted(rope)}")
         rope_theta = rope.pop("rope_theta", None)
         if rope_theta is None:
-            rope_theta = d.get("rope_theta") or _DEFAULT_ROPE_THETA
+            rope_theta = _given(d, "rope_theta", _DEFAULT_ROPE_THETA)
+        # NOTE: as transformers (standardize_rope_params): a top-level
+        # original_max_position_embeddings (Phi-3-style converters) overrides the block's.
+        rope_type = rope.get("rope_type", rope.get("type"))
+        if rope_type == "llama3" and d.get("original_max_position_embeddings") is not None:
+            rope["original_max_position_embeddings"] = d["original_max_position_embeddings"]
 
         if model_type == "llama":
             attention_bias = d.get("attention_bias", False)
@@ -329,7 +341,11 @@ class ModelConfig:
         sliding_window = None
         if model_type == "mistral":
             sliding_window = d.get("sliding_window", defaults["sliding_window"])
-        elif model_type == "qwen2" and d.get("use_sliding_window"):
+        elif (
+            model_type == "qwen2"
+            and d.get("use_sliding_window")
+            and d.get("sliding_window", 4096) is not None  # no window: every layer is full
+        ):
             window = d.get("sliding_window", 4096)
             num_layers = need("num_hidden_layers")
             layer_types = d.get("layer_types") or [

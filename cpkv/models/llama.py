@@ -16,6 +16,7 @@ stream and logits in the model dtype (returned as fp32).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -35,6 +36,8 @@ from cpkv.models.weights import (
     read_safetensors_dir,
     torch_dtype,
 )
+
+logger = logging.getLogger("cpkv.models")
 
 __all__ = ["AttendFn", "LlamaModel", "rope_inv_freq", "rotate_half"]
 
@@ -131,6 +134,21 @@ def _cat_or_none(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.cat([p for p in parts if p is not None], dim=0)
 
 
+def _tie_as_stored(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> ModelConfig:
+    """``config`` untied when it ties the embeddings but the weights hold an ``lm_head`` of
+    other values (transformers then keeps the stored head, with a warning)."""
+    head, embed = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
+    if not config.tie_word_embeddings or head is None or embed is None:
+        return config
+    if head.shape == embed.shape and torch.equal(head.to(embed.device, embed.dtype), embed):
+        return config
+    logger.warning(
+        "the config ties the embeddings but lm_head.weight differs from them: using the "
+        "stored lm_head (tie_word_embeddings=False), as transformers does"
+    )
+    return config.replace(tie_word_embeddings=False)
+
+
 class LlamaModel:
     """Llama / Qwen2 / Mistral causal LM weights with per-layer entry points for CP lanes.
 
@@ -141,8 +159,9 @@ class LlamaModel:
     Args:
         config: the architecture; ``config.dtype`` is the dtype weights are cast to.
         weights: ``{Hugging Face name: tensor}`` as a ``*ForCausalLM.state_dict()`` holds them
-            (``lm_head.weight`` may be absent, and is ignored, when embeddings are tied;
-            ``*rotary_emb.inv_freq`` buffers are ignored). Any device / floating dtype.
+            (``lm_head.weight`` may be absent when embeddings are tied; one that differs
+            from the embeddings unties them, as transformers does, and :attr:`config` says
+            so; ``*rotary_emb.inv_freq`` buffers are ignored). Any device / floating dtype.
         device: where the weights live and the computation runs.
 
     Raises:
@@ -167,6 +186,7 @@ class LlamaModel:
         weights: Mapping[str, torch.Tensor],
         device: str | torch.device = "cpu",
     ) -> None:
+        config = _tie_as_stored(config, weights)
         self._config = config
         self._device = torch.device(device)
         self._dtype = torch_dtype(config.dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -79,11 +80,11 @@ class ModelSpec:
                 )
             source = LlamaModel.from_hf(source, device="cpu")
         path = tempfile.mkdtemp(prefix="cpkv-model-")
-        spec = cls(source.config, path=path, owns_path=True)
-        try:
+        try:  # a model the spec refuses (a sliding window, say) leaves no directory behind
+            spec = cls(source.config, path=path, owns_path=True)
             save_checkpoint(source, path)
         except BaseException:
-            spec.remove()
+            shutil.rmtree(path, ignore_errors=True)
             raise
         return spec
 

@@ -132,14 +132,24 @@ def _checkpoint_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
+            data = json.load(f)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
-        files = [directory / name for name in sorted(set(weight_map.values()))]
+        names = set(weight_map.values())
+        bad = sorted(repr(n) for n in names if not isinstance(n, str) or not n)
+        if bad:
+            raise ValueError(f"{index} names shards that are not file names: {bad}")
+        files = [directory / name for name in sorted(names)]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names missing shards: {missing}")
         return files
+    # NOTE: as transformers: model.safetensors when it is there (beside it may lie another
+    # format's weights, an adapter's or a consolidated copy), else every shard there.
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {directory}")
@@ -151,8 +161,9 @@ def read_safetensors_dir(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors checkpoint directory, on the CPU.
 
-    The shards are those ``model.safetensors.index.json`` names when it exists, else every
-    ``*.safetensors`` file there. Entries in :data:`IGNORED_SUFFIXES` are skipped.
+    The shards are those ``model.safetensors.index.json`` names when it exists, else
+    ``model.safetensors`` when it exists, else every ``*.safetensors`` file there. Entries in
+    :data:`IGNORED_SUFFIXES` are skipped.
 
     Args:
         path: the checkpoint directory.
