@@ -454,6 +454,32 @@ def test_lanes_let_a_namespace_write_only_its_pages_and_read_cached_ones():
     assert shard.store_kv(np.array([2]), k, v, owner=5, fence=("g", 3)) == 1
 
 
+def test_a_write_fenced_on_a_generation_the_lane_left_is_refused_as_a_lost_lane():
+    """A request lost with the lane's previous generation: its page may be another request's
+    of the same namespace now, which a late write of the old one would overwrite."""
+    import torch
+
+    g1, g2 = "e:g1", "e:g2"
+    none = np.empty(0, np.int32)
+    shard = LaneShard(0, 8, 4, KV, "cpu")
+    shard.reset(g1)
+    shard.apply(g1, 1, np.array([1], np.int32), none, 5)  # the old request's page
+    shard.reset(g2)  # the lane was lost and reset
+    shard.apply(g2, 1, np.array([1], np.int32), none, 5)  # a new request of that namespace
+    ones, sevens = torch.ones(1, 2, 8), torch.full((1, 2, 8), 7.0)
+    assert shard.store_kv(np.array([4]), ones, ones, owner=5, fence=(g2, 1)) == 1
+    with pytest.raises(LaneUnavailableError, match="reset since"):
+        shard.store_kv(np.array([4]), sevens, sevens, owner=5, fence=(g1, 1))
+    with pytest.raises(LaneUnavailableError):
+        shard.gather_kv(np.array([4]), owner=5, fence=("other:g7", 1))  # another coordinator's
+    assert torch.equal(shard.gather_kv(np.array([4]), owner=5, fence=(g2, 1))[0], ones)
+    # A fence of a later generation: its reset is still on the way (also to a restarted
+    # lane, which has none yet).
+    assert shard.store_kv(np.array([4]), ones, ones, owner=5, fence=("e:g3", 1)) == NOT_YET
+    fresh = LaneShard(0, 8, 4, KV, "cpu")
+    assert fresh.store_kv(np.array([4]), ones, ones, owner=5, fence=(g2, 1)) == NOT_YET
+
+
 @pytest.mark.parametrize(
     ("taken", "released", "cached", "match"),
     [

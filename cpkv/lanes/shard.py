@@ -19,7 +19,7 @@ from cpkv.core.config import KVShape
 from cpkv.core.moves import MovesNotApplied
 from cpkv.core.reply_cache import ReplyCache
 from cpkv.core.steps import superseded
-from cpkv.errors import InvalidRequestError
+from cpkv.errors import InvalidRequestError, LaneUnavailableError
 
 __all__ = ["CACHED", "NOT_YET", "LaneShard", "MoveOrderError"]
 
@@ -251,11 +251,28 @@ class LaneShard:
         self, local_slots: np.ndarray, owner: int | None, fence, write: bool
     ) -> str | None:
         """Refuse slots on pages the caller's namespace does not own (``NOT_YET`` when the
-        moves that may give them are still on their way)."""
+        moves that may give them are still on their way).
+
+        Raises:
+            LaneUnavailableError: ``fence`` names a generation the shard has left (the lane
+                was reset since the caller's pages were decided: they were lost with it, and
+                the slots may be another request's now).
+            InvalidRequestError: a slot on a page the caller's namespace does not hold.
+        """
         if fence is not None:
             generation, seq = fence
-            if generation == self.generation and seq > self.last_seq:
-                return NOT_YET
+            if generation == self.generation:
+                if seq > self.last_seq:
+                    return NOT_YET
+            elif self.generation is None or superseded(self.generation, generation):
+                return NOT_YET  # the reset into the fence's generation is still on its way
+            else:
+                raise LaneUnavailableError(
+                    self.lane,
+                    [],
+                    f"a fence of generation {generation!r} while the lane is at "
+                    f"{self.generation!r}: it was reset since the caller's pages were decided",
+                )
         if owner is None or local_slots.size == 0:
             return None
         pages = np.clip(local_slots // self.page_size, 0, self.num_pages - 1)
