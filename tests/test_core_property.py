@@ -1776,6 +1776,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert isinstance(answer, np.ndarray) and answer.shape == (len(rids),), answer
         ps = self.ps
         for i, rid in enumerate(rids):
+            self._hold(client, rid)  # a client that carries a request on holds it
             m = self.live[rid]
             s = int(answer[i])
             tok = None if toks is None else toks[i]

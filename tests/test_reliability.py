@@ -376,9 +376,10 @@ def test_a_clients_retry_older_than_the_remembered_calls_is_refused_not_run_agai
 
 
 def _walked_put(replies: dict, key, reply, nbytes: int, capacity: int, max_bytes: int) -> None:
-    """The byte bound as a walk over every kept reply, oldest first (the reference)."""
+    """The byte bound as a walk over every kept reply, oldest first (the reference); a
+    reply over the bound by itself is dropped at once, the others kept."""
     replies.pop(key, None)
-    replies[key] = (reply, nbytes)
+    replies[key] = (reply, nbytes) if nbytes <= max_bytes else (DROPPED, 0)
     while len(replies) > capacity:
         del replies[next(iter(replies))]
     total = sum(size for _, size in replies.values())
@@ -454,30 +455,26 @@ def test_lanes_let_a_namespace_write_only_its_pages_and_read_cached_ones():
     assert shard.store_kv(np.array([2]), k, v, owner=5, fence=("g", 3)) == 1
 
 
-def test_a_write_fenced_on_a_generation_the_lane_left_is_refused_as_a_lost_lane():
-    """A request lost with the lane's previous generation: its page may be another request's
-    of the same namespace now, which a late write of the old one would overwrite."""
+def test_a_fence_of_a_generation_the_lane_has_not_reached_waits():
+    """A fence of a later generation (its reset still on the way, or a restarted lane with
+    none yet) is NOT_YET, not a misleading "page is free"; one of a generation the lane left
+    falls to the namespace check (a client's fence covers all its requests: one made since by
+    a step lives in the new generation)."""
     import torch
 
     g1, g2 = "e:g1", "e:g2"
     none = np.empty(0, np.int32)
-    shard = LaneShard(0, 8, 4, KV, "cpu")
-    shard.reset(g1)
-    shard.apply(g1, 1, np.array([1], np.int32), none, 5)  # the old request's page
-    shard.reset(g2)  # the lane was lost and reset
-    shard.apply(g2, 1, np.array([1], np.int32), none, 5)  # a new request of that namespace
-    ones, sevens = torch.ones(1, 2, 8), torch.full((1, 2, 8), 7.0)
-    assert shard.store_kv(np.array([4]), ones, ones, owner=5, fence=(g2, 1)) == 1
-    with pytest.raises(LaneUnavailableError, match="reset since"):
-        shard.store_kv(np.array([4]), sevens, sevens, owner=5, fence=(g1, 1))
-    with pytest.raises(LaneUnavailableError):
-        shard.gather_kv(np.array([4]), owner=5, fence=("other:g7", 1))  # another coordinator's
-    assert torch.equal(shard.gather_kv(np.array([4]), owner=5, fence=(g2, 1))[0], ones)
-    # A fence of a later generation: its reset is still on the way (also to a restarted
-    # lane, which has none yet).
-    assert shard.store_kv(np.array([4]), ones, ones, owner=5, fence=("e:g3", 1)) == NOT_YET
+    ones = torch.ones(1, 2, 8)
     fresh = LaneShard(0, 8, 4, KV, "cpu")
     assert fresh.store_kv(np.array([4]), ones, ones, owner=5, fence=(g2, 1)) == NOT_YET
+    shard = LaneShard(0, 8, 4, KV, "cpu")
+    shard.reset(g1)
+    assert shard.store_kv(np.array([4]), ones, ones, owner=5, fence=(g2, 1)) == NOT_YET
+    shard.reset(g2)
+    shard.apply(g2, 1, np.array([1], np.int32), none, 5)
+    assert shard.store_kv(np.array([4]), ones, ones, owner=5, fence=(g1, 3)) == 1
+    with pytest.raises(InvalidRequestError, match="another namespace"):
+        shard.store_kv(np.array([4]), ones, ones, owner=6, fence=(g1, 3))
 
 
 @pytest.mark.parametrize(
@@ -562,6 +559,44 @@ def test_a_shared_request_lives_until_the_last_client_that_extended_it_lapses():
     assert coord.expire_leases() == 1  # the actor's lapse frees it
     assert coord.stats()["num_requests"] == 0
     assert coord.check()["ok"]
+
+
+def test_a_client_that_only_decodes_a_shared_request_holds_it():
+    """The driver prefilled it, its actor carries it on: the driver's lapse must not free it
+    under the live, decoding actor (README: a request another live client extended stays)."""
+    clock = Clock()
+    coord, _ = make(clock)
+    coord.hello("driver", 1.0, namespace="job")
+    coord.hello("actor", 1.0, namespace="job")
+    prefill(coord, "driver", "x", np.arange(1, 17))
+    ok(coord.decode(coord.epoch, "actor", None, ["x"], [5]))
+    ok(coord.allocate_decode(coord.epoch, "actor", None, ["x"], [5]))
+    clock.now += 0.9
+    coord.renew_lease("actor")  # the driver has died
+    clock.now += 0.5
+    assert coord.expire_leases() == 0
+    ok(coord.decode(coord.epoch, "actor", None, ["x"], [5]))
+
+
+def test_a_call_id_repeated_with_other_arguments_is_told_apart_and_a_retry_is_not():
+    coord, _ = make()
+    e = coord.epoch
+    first = ok(coord.allocate_extend(e, "a", 1, "r", np.array([1, 2, 3])))
+    again = coord.allocate_extend(e, "a", 1, "r", np.array([1.9, 2.5, 3.7]))  # truncate alike
+    assert again is not first and isinstance(again, InvalidRequestError)
+    assert coord.allocate_extend(e, "a", 1, "r", [1, 2, 3]) is first  # ids as a list
+    ok(coord.allocate_extend(e, "a", 2, "s", range(1, 9)))
+    ok(coord.allocate_extend(e, "a", 2, "s", np.arange(1, 9, dtype=np.int32)))
+    ok(coord.allocate_extend(e, "a", 3, np.int64(7), [1, 2]))
+    ok(coord.allocate_extend(e, "a", 3, 7, [1, 2]))  # the rid the core keys it as
+
+
+def test_a_reply_too_big_to_keep_drops_itself_not_the_others():
+    cache = ReplyCache(16, max_bytes=100)
+    cache.put("a", "small", nbytes=10)
+    cache.put("b", "huge", nbytes=1000)
+    assert cache.get("a") == "small" and cache.get("b") is DROPPED
+    assert cache.nbytes == 10
 
 
 def test_a_quiet_lease_of_a_live_process_is_kept_and_of_a_stopped_one_lapses():

@@ -542,8 +542,11 @@ class Coordinator:
         for key in keys:
             self._check_not_failed(key)
         slots = self._core.allocate_decode(keys, token_ids)
-        if not step:
-            for key in keys:
+        for key in keys:
+            # A client that carries a request on holds it, as one that extended it does:
+            # another client's lapse must not free it under a live one.
+            self._leases.hold(client_id, key)
+            if not step:
                 self._client_writes(key)
         return slots, keys, token_ids
 
@@ -1128,19 +1131,33 @@ def _digest(*parts: Any, crc: int = 0) -> int:
         if isinstance(part, TokenDigest):
             crc = _digest(part.num_tokens, part.offset, part.head, part.tail, crc=crc)
             crc = zlib.crc32(part.contents.data, crc)
-        elif isinstance(part, np.ndarray):
-            try:
-                crc = zlib.crc32(np.ascontiguousarray(part).astype(np.int64, copy=False).data, crc)
-            except (OverflowError, TypeError, ValueError):  # not ids: the call refuses them
-                crc = zlib.crc32(repr(part).encode(), crc)
-        elif isinstance(part, (list, tuple)) and part and isinstance(part[0], (int, np.integer)):
-            try:
-                crc = zlib.crc32(np.asarray(part, dtype=np.int64).data, crc)
-            except (OverflowError, TypeError, ValueError):  # not ids: the call refuses them
-                crc = zlib.crc32(repr(part).encode(), crc)
+        elif isinstance(part, np.ndarray) or (
+            isinstance(part, (list, tuple, range))
+            and len(part)
+            and isinstance(part[0], (int, np.integer))
+        ):
+            crc = _array_digest(part, crc)
+        elif isinstance(part, np.integer):  # a rid the core keys as the int it equals
+            crc = zlib.crc32(repr(int(part)).encode(), crc)
         else:
             crc = zlib.crc32(repr(part).encode(), crc)
     return crc
+
+
+def _array_digest(part: Any, crc: int) -> int:
+    """Integer ids by their int64 values (so ids sent as int32 or int64, list or array, match
+    on a retry); anything else by its dtype, shape and bytes, so that float "ids" never
+    match the integers they would truncate to."""
+    try:
+        arr = np.ascontiguousarray(part)
+    except (OverflowError, TypeError, ValueError):  # not ids: the call refuses them
+        return zlib.crc32(repr(part).encode(), crc)
+    if arr.dtype.kind in "iu":
+        return zlib.crc32(arr.astype(np.int64, copy=False).data, crc)
+    if arr.dtype.hasobject:
+        return zlib.crc32(repr(part).encode(), crc)
+    crc = zlib.crc32(f"{arr.dtype.str}{arr.shape}".encode(), crc)
+    return zlib.crc32(arr.data, crc)
 
 
 def _items_digest(items: Any) -> int:

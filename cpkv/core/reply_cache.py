@@ -113,7 +113,12 @@ class ReplyCache:
         if old is not None and old[2]:
             self.nbytes -= old[2]
             del self._sized[key]
-        self._replies[key] = (reply, tag, nbytes)
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            # NOTE: too big to keep at all: dropped at once, not after every other reply.
+            self._replies[key] = (DROPPED, tag, 0)
+            nbytes = 0
+        else:
+            self._replies[key] = (reply, tag, nbytes)
         if nbytes:
             self.nbytes += nbytes
             self._sized[key] = None
