@@ -140,9 +140,6 @@ class LaneIO:
             except ray.exceptions.RayTaskError as e:
                 # A lane's refusal arrives as Ray's subclass of it, its message behind the
                 # lane's traceback: raise the lane's own error, as the coordinator's arrive.
-                if isinstance(e.cause, LaneUnavailableError):  # reset since our pages were
-                    # decided: the coordinator names our requests lost with it
-                    raise self._lane_lost(r, what, f"{what}: {e.cause.detail}") from None
                 if isinstance(e.cause, CPKVError):
                     raise e.cause from None
                 raise

@@ -135,38 +135,3 @@ def test_a_client_dropped_without_shutdown_frees_its_requests(coordinator):
     while core.stats()["num_requests"]:
         assert time.monotonic() < deadline, "the dropped client's request is still held"
         time.sleep(0.02)
-
-
-def test_a_lane_that_left_the_callers_generation_is_answered_as_a_lost_lane(monkeypatch):
-    """The lane refuses a read or write fenced on a generation it left (it was reset since
-    the caller's pages were decided): the client asks the coordinator which of its requests
-    were lost with the lane, as for a lane that died under the call."""
-    import ray
-
-    from cpkv.core.layout import PageLayout
-    from cpkv.errors import LaneUnavailableError
-    from cpkv.lane_io import LaneIO
-    from tests.plain_client import KV
-
-    refused = LaneUnavailableError(
-        1, [], "a fence of generation 'e:g1' while the lane is at 'e:g2'"
-    )
-
-    def get(ref, timeout=None):
-        raise ray.exceptions.RayTaskError("store_kv", "traceback", refused)
-
-    lost = []
-
-    def lane_lost(lane, what, detail):
-        lost.append((lane, what, detail))
-        return LaneUnavailableError(lane, ["r"], detail)
-
-    monkeypatch.setattr(ray, "get", get)
-    io = LaneIO(
-        [None] * 2, PageLayout(2, 4), KV, 2 * 32 * 4, 1, 0.5,
-        fence=lambda: None, fence_waiting=lambda: False, refresh_fence=lambda: None,
-        unwrap=lambda x: x, lane_lost=lane_lost,
-    )  # fmt: skip
-    with pytest.raises(LaneUnavailableError) as info:
-        io.wait_lanes([(1, "ref")], "store_kv")
-    assert info.value.rids == ["r"] and lost[0][:2] == (1, "store_kv") and "e:g1" in lost[0][2]

@@ -19,7 +19,7 @@ from cpkv.core.config import KVShape
 from cpkv.core.moves import MovesNotApplied
 from cpkv.core.reply_cache import ReplyCache
 from cpkv.core.steps import superseded
-from cpkv.errors import InvalidRequestError, LaneUnavailableError
+from cpkv.errors import InvalidRequestError
 
 __all__ = ["CACHED", "NOT_YET", "LaneShard", "MoveOrderError"]
 
@@ -251,13 +251,12 @@ class LaneShard:
         self, local_slots: np.ndarray, owner: int | None, fence, write: bool
     ) -> str | None:
         """Refuse slots on pages the caller's namespace does not own (``NOT_YET`` when the
-        moves that may give them are still on their way).
+        moves that may give them are still on their way: the fence's generation is the
+        shard's and its move not applied yet, or a later one whose reset has not come).
 
-        Raises:
-            LaneUnavailableError: ``fence`` names a generation the shard has left (the lane
-                was reset since the caller's pages were decided: they were lost with it, and
-                the slots may be another request's now).
-            InvalidRequestError: a slot on a page the caller's namespace does not hold.
+        NOTE: a fence of a generation the shard has left is not refused: a client's fence is
+        the latest it was told of, for all its requests, and a request made since by a step
+        (which answers no fence) lives in the new generation. The namespace check stands.
         """
         if fence is not None:
             generation, seq = fence
@@ -266,13 +265,6 @@ class LaneShard:
                     return NOT_YET
             elif self.generation is None or superseded(self.generation, generation):
                 return NOT_YET  # the reset into the fence's generation is still on its way
-            else:
-                raise LaneUnavailableError(
-                    self.lane,
-                    [],
-                    f"a fence of generation {generation!r} while the lane is at "
-                    f"{self.generation!r}: it was reset since the caller's pages were decided",
-                )
         if owner is None or local_slots.size == 0:
             return None
         pages = np.clip(local_slots // self.page_size, 0, self.num_pages - 1)
