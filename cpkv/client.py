@@ -64,6 +64,8 @@ from cpkv.results import PrefillResult, decode_output, decode_samples, prefill_r
 __all__ = ["CPKVClient", "PrefillResult", "connect"]
 
 logger = logging.getLogger("cpkv.client")
+# The least backoff between capacity-wait retries (10k calls a second at most).
+_MIN_BACKOFF_S = 1e-4
 
 DEFAULT_NAME = "cpkv-coordinator"
 
@@ -190,7 +192,7 @@ def connect(
     _check_lease(lease_s)
     if namespace is not None and not isinstance(namespace, str):
         raise InvalidRequestError(f"namespace={namespace!r} must be a str or None")
-    timeout_s = check_float("timeout_s", timeout_s)
+    timeout_s = _check_timeout(timeout_s)
     if lane_hang_s is None:
         lane_hang_s = max(60.0, 2 * timeout_s)
     options = LaneOptions(
@@ -339,7 +341,7 @@ class CPKVClient:
 
         self._ray = ray
         self._coord = coordinator
-        self.timeout_s = timeout_s
+        self.timeout_s = _check_timeout(timeout_s)
         self._calls = itertools.count()
         self.client_id = uuid.uuid4().hex[:16]
         self.lease_s = _check_lease(lease_s)
@@ -721,6 +723,8 @@ class CPKVClient:
             self._call, "allocate_extend", rid, what="allocate_extend", fenced=True
         )
         call_id = self._call_id(call_id)
+        if self._epoch_stale:  # greet the restarted coordinator first: its key digests
+            yield from self._rehello()
         payload = self._payload(call_id, rid, tokens)
         try:
             out = yield from call(payload, cache_salt, call_id=call_id)
@@ -802,6 +806,8 @@ class CPKVClient:
             self._call, "allocate_extend_batch", what="allocate_extend_batch", fenced=True
         )
         call_id = self._call_id(call_id)
+        if self._epoch_stale:  # greet the restarted coordinator first: its key digests
+            self._run(self._rehello())
         payload = [(rid, self._payload(call_id, rid, tokens)) for rid, tokens in checked]
         try:
             out = self._run(call(payload, cache_salt, call_id=call_id))
@@ -1054,18 +1060,33 @@ class CPKVClient:
         *,
         eos_token_id: int | Sequence[int] | None = None,
         cache_salt: str | bytes | None = None,
+        deadline_s: float | None = None,
     ) -> list[int]:
         """Greedy generation: prefill ``token_ids`` then decode; the new token ids.
 
         Stops after ``max_new_tokens`` or at a stop token: ``eos_token_id`` is one id or
         several (transformers' ``generation_config.eos_token_id`` is often a list). The
-        request stays live (free it when done).
+        request stays live (free it when done). ``deadline_s``: each step waits out capacity
+        pressure with backoff for up to this long (as :meth:`prefill`'s).
+
+        Raises:
+            The failing step's error, with ``generated``: the ids generated before it (the
+            request holds the K/V of all but the last; resume from there).
         """
         check_int("max_new_tokens", max_new_tokens, minimum=1)
         stop = _stop_tokens(eos_token_id)
-        out = [self.prefill(rid, token_ids, cache_salt=cache_salt, greedy=True).next_token]
-        while len(out) < max_new_tokens and out[-1] not in stop:
-            out.append(int(self.decode_greedy([rid], [out[-1]])[0]))
+        out: list[int] = []
+        try:
+            first = self.prefill(
+                rid, token_ids, cache_salt=cache_salt, greedy=True, deadline_s=deadline_s
+            )
+            out.append(first.next_token)
+            while len(out) < max_new_tokens and out[-1] not in stop:
+                ids = self.decode_greedy([rid], [out[-1]], deadline_s=deadline_s)
+                out.append(int(ids[0]))
+        except Exception as e:
+            e.generated = out  # type: ignore[attr-defined]
+            raise
         return out
 
     def _step(
@@ -1211,9 +1232,12 @@ class CPKVClient:
             out["lanes"] = self.lane_info()
         return out
 
-    async def stats_async(self) -> dict:
+    async def stats_async(self, lanes: bool = False) -> dict:
         """Async twin of :meth:`stats`."""
-        return await self._arun(self._answer(self._open_coord().stats.remote(), "stats"))
+        out = await self._arun(self._answer(self._open_coord().stats.remote(), "stats"))
+        if lanes:
+            out["lanes"] = await asyncio.to_thread(self.lane_info)
+        return out
 
     def check(self) -> dict:
         """Core invariants and each lane's count against the mirror: ``{"ok", "problems"}``."""
@@ -1289,8 +1313,11 @@ def _with_backoff(
     """``fn()``, called again on KVCapacityWaitError with jittered exponential backoff until
     ``deadline_s`` has passed (then the last one is raised)."""
     deadline_s = check_float("deadline_s", deadline_s)
-    initial_backoff_s = check_float("initial_backoff_s", initial_backoff_s)
-    max_backoff_s = check_float("max_backoff_s", max_backoff_s)
+    # NOTE: > 0: a 0 backoff retried against the coordinator in a hot loop.
+    initial_backoff_s = check_float("initial_backoff_s", initial_backoff_s, minimum=_MIN_BACKOFF_S)
+    max_backoff_s = check_float("max_backoff_s", max_backoff_s, minimum=initial_backoff_s)
+    if rng is not None and not isinstance(rng, random.Random):
+        raise InvalidRequestError(f"rng={rng!r} must be a random.Random or None")
     rng = rng or random.Random()
     end = time.monotonic() + deadline_s
     backoff = initial_backoff_s
@@ -1301,8 +1328,8 @@ def _with_backoff(
             left = end - time.monotonic()
             if left <= 0:
                 raise
-            # Full jitter keeps many waiting callers from retrying in lockstep.
-            time.sleep(min(left, backoff * (0.5 + rng.random())))
+            # Jitter keeps many waiting callers from retrying in lockstep; never past the cap.
+            time.sleep(min(left, max_backoff_s, backoff * (0.5 + rng.random())))
             backoff = min(max_backoff_s, backoff * 2)
 
 
@@ -1366,6 +1393,13 @@ def _drop_pool(pool: Pool) -> None:
         pool.release_ray()
     except Exception:  # a finalizer never raises
         logger.debug("dropping a client's pool failed", exc_info=True)
+
+
+def _check_timeout(timeout_s: object) -> float:
+    value = check_float("timeout_s", timeout_s)
+    if value <= 0:  # every call would time out at once
+        raise InvalidRequestError(f"timeout_s={timeout_s!r} must be > 0")
+    return value
 
 
 def _check_lease(lease_s: object) -> float | None:

@@ -165,6 +165,10 @@ class LaneIO:
                 raise InvalidRequestError(f"{name} has dtype {t.dtype}, expected {dtype}")
 
     def _slots(self, slots) -> np.ndarray:
+        if isinstance(slots, (list, tuple)) and any(
+            isinstance(s, (bool, np.bool_)) for s in slots
+        ):  # numpy would take True as slot 1
+            raise InvalidRequestError(f"slots must be integers, not bools: {slots!r:.80}")
         arr = np.asarray(slots)
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise InvalidRequestError(f"slots must be 1-D integers, got {arr.dtype} {arr.shape}")

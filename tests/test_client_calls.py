@@ -1,0 +1,133 @@
+"""The client's own checks and loops, without Ray (a plain coordinator behind a fake Ray):
+digests after a coordinator restart, backoff, timeouts, generate's partial output."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import types
+
+import numpy as np
+import pytest
+
+import cpkv.client as client_module
+from cpkv.errors import CoordinatorUnavailableError, InvalidRequestError, KVCapacityWaitError
+from cpkv.results import PrefillResult
+from tests.plain_client import PlainCoordinator, patch_ray, plain_client
+
+
+@pytest.fixture
+def coordinator(monkeypatch) -> PlainCoordinator:
+    patch_ray(monkeypatch)
+    return PlainCoordinator()
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
+def test_the_first_allocation_after_a_restart_digests_with_the_new_key(coordinator, batch):
+    """Its pages are cached under the restarted coordinator's key (they were hashed with the
+    dead one's: the same prompt never hit them)."""
+    c = plain_client(coordinator)
+    c.allocate_extend("x", np.arange(10))
+    coordinator.restart()
+    with pytest.raises(CoordinatorUnavailableError):
+        c.allocate_extend("y", np.arange(3))  # finds it gone: the next call greets it
+    prompt = np.arange(100, 112)  # three pages of 4
+    if batch:
+        c.allocate_extend_batch([("a", prompt), ("a2", np.arange(7))])
+    else:
+        c.allocate_extend("a", prompt)
+    c.free("a")
+    assert c.allocate_extend("b", prompt).prefix_len == 8
+
+
+@pytest.fixture
+def short_pool(coordinator, monkeypatch):
+    """A client whose next 64-token allocation waits for capacity; its sleeps recorded."""
+    c = plain_client(coordinator)
+    c.allocate_extend("hold", np.arange(200))
+    sleeps: list[float] = []
+    clock = types.SimpleNamespace(
+        monotonic=time.monotonic, sleep=lambda s: (sleeps.append(s), time.sleep(s))
+    )
+    monkeypatch.setattr(client_module, "time", clock)
+    return c, sleeps
+
+
+def test_backoff_never_sleeps_past_its_cap(short_pool):
+    c, sleeps = short_pool
+    with pytest.raises(KVCapacityWaitError):
+        c.allocate_extend_with_backoff(
+            "big", np.arange(1000, 1064), deadline_s=0.4, initial_backoff_s=0.01,
+            max_backoff_s=0.05, rng=random.Random(1),
+        )  # fmt: skip
+    assert len(sleeps) > 3 and max(sleeps) <= 0.05
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"initial_backoff_s": 0.0}, "initial_backoff_s"),
+        ({"initial_backoff_s": 0.2, "max_backoff_s": 0.05}, "max_backoff_s"),
+        ({"rng": 7}, "rng"),
+    ],
+    ids=["zero", "initial-above-max", "rng"],
+)
+def test_a_backoff_that_would_spin_or_misbehave_is_refused_before_any_call(
+    short_pool, kwargs, named
+):
+    c, sleeps = short_pool
+    with pytest.raises(InvalidRequestError, match=named):
+        c.allocate_extend_with_backoff("big", np.arange(1000, 1064), deadline_s=0.3, **kwargs)
+    assert sleeps == []
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, float("nan"), "5"])
+def test_a_timeout_that_fails_every_call_is_refused(coordinator, timeout_s):
+    with pytest.raises(InvalidRequestError, match="timeout_s"):
+        plain_client(coordinator, timeout_s=timeout_s)
+
+
+def test_generate_hands_back_the_ids_made_before_a_step_failed(coordinator, monkeypatch):
+    c = plain_client(coordinator)
+    asked = []
+
+    def prefill(rid, tokens, **kwargs):
+        asked.append(kwargs["deadline_s"])
+        return PrefillResult(None, None, [], "pass_q", next_token=7)
+
+    def decode_greedy(rids, tokens, **kwargs):
+        asked.append(kwargs["deadline_s"])
+        if len(asked) == 3:
+            raise KVCapacityWaitError(
+                "short", required_by_owner=[1], available_by_owner=[0], deficit_by_owner=[1]
+            )
+        return np.array([tokens[0] + 1])
+
+    monkeypatch.setattr(c, "prefill", prefill)
+    monkeypatch.setattr(c, "decode_greedy", decode_greedy)
+    with pytest.raises(KVCapacityWaitError) as info:
+        c.generate("r", [1, 2, 3], max_new_tokens=5, deadline_s=0.5)
+    assert info.value.generated == [7, 8] and asked == [0.5, 0.5, 0.5]
+
+
+def test_stats_async_takes_lanes_as_stats_does(coordinator, monkeypatch):
+    c = plain_client(coordinator)
+
+    async def run(call):  # the fake Ray's answers are values, not awaitables
+        return c._run(call)
+
+    monkeypatch.setattr(c, "_arun", run)
+    monkeypatch.setattr(c, "lane_info", lambda: [{"lane": 0}, {"lane": 1}])  # no lane actors
+    assert asyncio.run(c.stats_async(lanes=True))["lanes"] == [{"lane": 0}, {"lane": 1}]
+    assert "lanes" not in asyncio.run(c.stats_async())
+
+
+def test_a_bool_among_slots_is_refused(coordinator):
+    import torch
+
+    c = plain_client(coordinator)
+    slots = c.allocate_extend("r", np.arange(8)).out_cache_loc
+    kv = torch.ones(3, 2, 8)
+    with pytest.raises(InvalidRequestError, match="bools"):
+        c.store_kv([True, int(slots[1]), int(slots[2])], kv, kv)
