@@ -125,7 +125,7 @@ def test_cli_demo_terminal_shows_only_cpkv_output():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr == "", proc.stderr
     lines = proc.stdout.splitlines()
-    header = "lane device used cached free held tokens compute s"
+    header = "lane device used cached free held tokens step s"
     assert lines[0].split() == header.split()
     assert lines[-1].startswith("OK in ")
     known = (

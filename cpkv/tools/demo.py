@@ -164,7 +164,8 @@ class DemoResult:
         cached_tokens: prompt tokens served from the prefix cache instead.
         tokens_per_s: (prefilled + decoded) tokens per second of serving.
         lane_tokens: prefill tokens each lane computed (the lane of each new token's page).
-        lane_seconds: each lane's compute seconds over all prefill steps.
+        lane_seconds: each lane's seconds in its prefill steps (its work and its waits in
+            the lanes' collectives: :attr:`cpkv.PrefillResult.lane_seconds`).
         accounting_exact: the coordinator's check holds, no request is left and every page is
             free or cached.
         stats: the coordinator's final :meth:`cpkv.CPKVClient.stats`.
@@ -539,7 +540,7 @@ def _run(client, ref: Reference, cfg: DemoConfig, tol: float, out, t0: float) ->
 def _table(stats: dict, lanes: list[dict], tally: _Tally) -> str:
     head = (
         f"{'lane':>4} {'device':>8} {'used':>6} {'cached':>7} {'free':>6} {'held':>6} "
-        f"{'tokens':>8} {'compute s':>10}"
+        f"{'tokens':>8} {'step s':>10}"
     )
     rows = [head, "-" * len(head)]
     for r, info in enumerate(lanes):
