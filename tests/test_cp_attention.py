@@ -668,6 +668,24 @@ def test_a_probe_in_another_dtype_attends_in_the_shards() -> None:
         assert res.out.shape == (n, 4, 8) and bool(torch.as_tensor(res.out).isfinite().all())
 
 
+def test_a_step_out_of_order_leaves_the_group() -> None:
+    """A reordering bug fails the step on the lane that sees it and takes it out of the group,
+    so its peers fail at once rather than waiting for the group's timeout."""
+    from cpkv.core.config import KVShape
+    from cpkv.core.steps import StepRequest
+    from cpkv.lanes.shard import LaneShard
+    from cpkv.lanes.worker import LaneWorker
+
+    shard = LaneShard(0, 16, 4, KVShape(1, 2, 8, "float32"), "cpu")
+    worker = LaneWorker(0, 1, torch.device("cpu"), None)
+    worker.init_group("g", "127.0.0.1", 0, "gloo", 10.0)
+    probe = (torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8))
+    worker.step(shard, StepRequest(2, "g", (StepSequence(0, 2, np.array([1])),), probe=probe))
+    with pytest.raises(AssertionError):
+        worker.step(shard, StepRequest(1, "g", (StepSequence(0, 2, np.array([2])),), probe=probe))
+    assert worker.group is None
+
+
 def test_exchange_costs_follow_the_model() -> None:
     fresh = StepPlan.build([StepSequence(0, 8, np.array([2, 3]))], 2, 4, 0)
     costs = exchange_costs(fresh, HQ, HKV, D, 4, 4, latency_s=1e-4, bytes_per_s=1e9)

@@ -167,11 +167,12 @@ class LaneWorker:
                 f"lane {self.lane}: step {step.step_id} expects group {step.group!r}, "
                 f"lane has {self.group_id!r}"
             )
-        # NOTE: steps reach every lane in one order (one sender submits them), so a step
-        # older than the last one run means a reordering bug, not a retry.
-        assert step.step_id > self._last_step, (step.step_id, self._last_step)
-        self._last_step = step.step_id
         try:
+            # NOTE: steps reach every lane in one order (one sender submits them), so a step
+            # older than the last one run means a reordering bug, not a retry; it fails here,
+            # leaving the group, so the peers fail at once instead of at the group's timeout.
+            assert step.step_id > self._last_step, (step.step_id, self._last_step)
+            self._last_step = step.step_id
             return self._run(shard, step)
         except BaseException as e:
             device = _is_device_error(e)
