@@ -231,8 +231,13 @@ class LaneIO:
 
 
 def actor_death(ray) -> tuple[type[Exception], ...]:
-    """What Ray raises for a call on an actor that died or is restarting."""
-    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+    """What Ray raises for a call on an actor that died (its memory monitor's kill too) or
+    is restarting."""
+    return (
+        ray.exceptions.RayActorError,
+        ray.exceptions.ActorUnavailableError,
+        ray.exceptions.OutOfMemoryError,
+    )
 
 
 def _index(idx: np.ndarray):

@@ -214,6 +214,7 @@ def test_ray_transport_names_an_unreachable_lane_apart_from_a_dead_one(monkeypat
     for raised, expected in [
         (ray.exceptions.ActorUnavailableError("restarting", None), "LaneUnreachableError"),
         (ray.exceptions.ActorDiedError(), "LaneDeadError"),
+        (ray.exceptions.OutOfMemoryError("killed: the node ran low on memory"), "LaneDeadError"),
     ]:
 
         def get(*_args, raised=raised, **_kwargs):

@@ -35,6 +35,8 @@ class RayLaneTransport:
             raise LaneUnreachableError(f"{type(e).__name__}: {e}") from None
         except ray.exceptions.RayActorError as e:
             raise LaneDeadError(f"{type(e).__name__}: {e}") from None
+        except ray.exceptions.OutOfMemoryError as e:  # Ray's memory monitor killed the lane
+            raise LaneDeadError(f"{type(e).__name__}: {e}") from None
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
 
