@@ -698,24 +698,6 @@ def test_an_unreachable_lane_is_not_taken_for_dead_by_the_heartbeat():
     assert coord.stats()["lane_losses"] == [[1, 1]]
 
 
-def test_a_solo_steps_request_outlives_the_death_of_a_lane_that_skipped_it():
-    """A request whose every page is on lane 0 runs solo there; lane 1 dying around its step
-    (the step's call to it fails) loses lane 1's requests, not this one."""
-    coord, lanes = make()
-    coord.hello("a")
-    page = int(prefill(coord, "a", "solo", [1, 2])["allocations"][0].new_pages[0])
-    assert page % CFG.cp_size == 0
-    assert coord.check()["ok"]
-    lanes.dead.add(1)
-    prefill(coord, "a", "solo", [3, 4])  # still on lane 0's page
-    coord.heartbeat_once()
-    lanes.restart(1)
-    assert coord.wait_recovered(5)
-    stats = coord.stats()
-    assert stats["failed_steps"] == 0 and stats["lane_losses"] == [[1, 0]]
-    ok(coord.decode(coord.epoch, "a", None, ["solo"], np.array([9])))
-
-
 def test_stats_count_a_step_that_failed_without_another_call():
     coord, lanes = make()
     coord.hello("a")

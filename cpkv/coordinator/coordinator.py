@@ -42,7 +42,7 @@ from cpkv.core.graph_slots import GraphSlots
 from cpkv.core.leases import LeaseTable
 from cpkv.core.page_hash import TokenDigest
 from cpkv.core.reply_cache import DROPPED, ReplyCache
-from cpkv.core.steps import StepRequest, StepSequence, check_mode, solo_lane
+from cpkv.core.steps import StepRequest, StepSequence, check_mode
 from cpkv.core.validate import (
     RequestKey,
     as_token_array,
@@ -111,8 +111,6 @@ class _InflightStep:
     lengths: list[tuple[Hashable, int, _Track]]
     # per lane, the future of (status handle, result handle): a Future or StepHandles
     handles: list[Future | StepHandles]
-    # the lane that alone computes the step (its pages all lie there), or -1
-    solo: int = -1
 
 
 class Coordinator:
@@ -596,16 +594,16 @@ class Coordinator:
                 track = self._tracks[s.rid] = _Track(written=s.prefix_len)
             track.inflight += 1
             lengths.append((s.rid, s.seq_len, track))
-        solo = solo_lane(step.sequences, len(handles)) if len(handles) > 1 else -1
-        self._inflight[step.step_id] = _InflightStep(step.step_id, lengths, handles, solo)
+        self._inflight[step.step_id] = _InflightStep(step.step_id, lengths, handles)
 
     def _settle_steps(self) -> None:
         """Take in the outcome of every step whose lanes have all answered, or one of which
         failed: a success makes its K/V written, a failure marks its requests failed and
         the lane group stale (the failing lane left it, and the others too but for a solo
-        step, which they skipped: they leave it when the next is built). A solo step's
-        outcome is its computing lane's: another lane's failure (its death, say) leaves
-        the group stale and the step's requests as they are. Never blocks; lock held."""
+        step, which they skipped: they leave it when the next is built). NOTE: any lane's
+        failure fails the step, a solo step's too (the death of a lane that skipped it): the
+        client reads every lane's answer and says so to its caller, and the two must agree.
+        Never blocks; lock held."""
         if not self._inflight:
             return
         channel = self._channel
@@ -613,23 +611,20 @@ class Coordinator:
             st = self._inflight[sid]
             if not all(f.done() for f in st.handles):
                 continue
-            errors = [f.exception() for f in st.handles]
-            # NOTE: a lane's future fails only when its call could not be made (its death).
-            live = [(r, f.result()[0]) for r, f in enumerate(st.handles) if errors[r] is None]
-            done = channel.done([h for _r, h in live]) if live else []
-            for (r, handle), is_done in zip(live, done, strict=True):
-                if is_done:
+            error: BaseException | None = next(
+                (f.exception() for f in st.handles if f.exception() is not None), None
+            )
+            statuses = [] if error is not None else [f.result()[0] for f in st.handles]
+            done = channel.done(statuses) if statuses else []
+            for handle, is_done in zip(statuses, done, strict=True):
+                if is_done and error is None:
                     try:
                         channel.outcome(handle, 0.0)
                     except Exception as e:  # the lane's own error, or its death
-                        errors[r] = e
-            counted = errors if st.solo < 0 else [errors[st.solo]]
-            error = next((e for e in counted if e is not None), None)
+                        error = e
             if error is None and not all(done):
                 continue
             del self._inflight[sid]
-            if error is None and any(e is not None for e in errors):  # a lane that skipped it
-                self._supervisor.drop_group()
             if error is None:
                 for _key, length, track in st.lengths:
                     track.written = max(track.written, length)

@@ -26,7 +26,6 @@ __all__ = [
     "StepSequence",
     "check_mode",
     "group_id",
-    "solo_lane",
     "superseded",
 ]
 
@@ -131,14 +130,6 @@ class StepSequence:
     def seq_len(self) -> int:
         """Tokens of the sequence after the step."""
         return self.prefix_len + self.extend_len
-
-
-def solo_lane(sequences: tuple[StepSequence, ...], cp_size: int) -> int:
-    """The lane holding every page of a step's ``sequences`` (it alone computes the step;
-    the others skip it), or -1 when they lie on several lanes; 0 at ``cp_size == 1``."""
-    lanes = np.concatenate([s.pages for s in sequences]) % cp_size
-    # NOTE: every sequence has a page (extend_len >= 1): lanes is never empty.
-    return int(lanes[0]) if lanes.min() == lanes.max() else -1
 
 
 @dataclass(slots=True, frozen=True, eq=False)
