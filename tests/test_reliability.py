@@ -707,6 +707,18 @@ def test_stats_count_a_step_that_failed_without_another_call():
     assert (stats["failed_steps"], stats["steps_in_flight"]) == (1, 0)
 
 
+def test_a_call_after_shutdown_takes_no_lane_for_lost():
+    """Moves flushed after shutdown fail as the channel's (closed), not as lane failures."""
+    coord, _ = make()
+    coord.hello("c", 60.0)
+    ok(coord.allocate_extend(coord.epoch, "c", None, "r", np.arange(1, 33)))
+    ok(coord.free(coord.epoch, "c", None, "r", False))  # its moves wait for a flush
+    coord.shutdown()
+    assert not coord.check()["ok"]
+    stats = coord.stats()
+    assert stats["lane_losses"] == [] and stats["lane_states"] == ["up", "up"]
+
+
 def test_shutdown_ends_a_recovery_in_flight_and_later_lane_calls_fail_at_once():
     """A lane Ray is still restarting (its reset answers "unreachable"): shutdown() does not
     leave the recovery retrying until lane_restart_timeout_s."""

@@ -158,6 +158,8 @@ class LaneSupervisor:
         Returns:
             ``(lane, why)`` of each lane lost now: the coordinator fails its requests.
         """
+        if self._closed.is_set():  # shut down: its calls fail as closed, not as lost lanes
+            return []
         failed = self._poll_moves(min_poll_s)
         lost = []
         with self._lock:
