@@ -480,8 +480,7 @@ class CPKVClient:
         call_id = self._call_id(call_id)
         retries = self.call_retries if retries is None else retries
         for attempt in range(retries + 1):
-            if self._epoch_stale:
-                yield from self._rehello()
+            yield from self._greet_if_restarted()
             call = (self._epoch, self.client_id, call_id, *args)
             packed = method in PACKED_CALLS
             self._check_open()
@@ -566,11 +565,13 @@ class CPKVClient:
             raise out
         return out
 
-    def _rehello(self) -> _Call:
-        """Greet the restarted coordinator (a call found the last one dead or gone) and take
-        its epoch, page key and namespace id (it numbers namespaces again, in the order its
-        clients greet it); while it is still down this raises CoordinatorUnavailableError
-        again."""
+    def _greet_if_restarted(self) -> _Call:
+        """When a call found the coordinator dead or gone (``_epoch_stale``), greet its
+        restart and take its epoch, page key and namespace id (it numbers namespaces again,
+        in the order its clients greet it); while it is still down this raises
+        CoordinatorUnavailableError again. Otherwise nothing."""
+        if not self._epoch_stale:
+            return
         hello = yield self._open_coord().hello.remote(*self._hello_args), "hello"
         self._epoch = hello["epoch"]
         self._namespace_id = hello["namespace_id"]
@@ -723,8 +724,7 @@ class CPKVClient:
             self._call, "allocate_extend", rid, what="allocate_extend", fenced=True
         )
         call_id = self._call_id(call_id)
-        if self._epoch_stale:  # greet the restarted coordinator first: its key digests
-            yield from self._rehello()
+        yield from self._greet_if_restarted()  # first: the restarted one's key digests
         payload = self._payload(call_id, rid, tokens)
         try:
             out = yield from call(payload, cache_salt, call_id=call_id)
@@ -806,8 +806,7 @@ class CPKVClient:
             self._call, "allocate_extend_batch", what="allocate_extend_batch", fenced=True
         )
         call_id = self._call_id(call_id)
-        if self._epoch_stale:  # greet the restarted coordinator first: its key digests
-            self._run(self._rehello())
+        self._run(self._greet_if_restarted())  # first: the restarted one's key digests
         payload = [(rid, self._payload(call_id, rid, tokens)) for rid, tokens in checked]
         try:
             out = self._run(call(payload, cache_salt, call_id=call_id))
@@ -1118,8 +1117,7 @@ class CPKVClient:
         """A step through the client's step graph when it takes it, else (or for the retries
         after its timeout) as an ordinary call with the same call id."""
         retries = self.call_retries
-        if self._epoch_stale:
-            yield from self._rehello()
+        yield from self._greet_if_restarted()
         if self._graph is not None:
             call = (method, self._epoch, self.client_id, call_id, *args)
             try:

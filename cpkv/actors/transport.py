@@ -33,9 +33,8 @@ class RayLaneTransport:
             raise TimeoutError(f"lane call unanswered after {timeout}s") from None
         except ray.exceptions.ActorUnavailableError as e:  # a RayActorError: caught first
             raise LaneUnreachableError(f"{type(e).__name__}: {e}") from None
-        except ray.exceptions.RayActorError as e:
-            raise LaneDeadError(f"{type(e).__name__}: {e}") from None
-        except ray.exceptions.OutOfMemoryError as e:  # Ray's memory monitor killed the lane
+        # OutOfMemoryError: Ray's memory monitor killed the lane (not a RayActorError).
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
             raise LaneDeadError(f"{type(e).__name__}: {e}") from None
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None

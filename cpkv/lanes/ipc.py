@@ -141,9 +141,7 @@ class IpcExchange:
             for p in range(world_size):
                 if p == rank:
                     continue
-                desc = json.loads(store.get(self._key(f"events/{p}")))
-                if "error" in desc:
-                    raise RuntimeError(f"lane {p} could not set up its exchange: {desc['error']}")
+                desc = self._peer_events(p)
                 self._peers[p] = _Peer(
                     [adaptor.open_event(d) for d in desc["written"]],
                     [adaptor.open_event(d) for d in desc["consumed"]],
@@ -162,12 +160,18 @@ class IpcExchange:
             self._store.set(self._key("board"), name)
         else:
             name = self._store.get(self._key("board")).decode()
-            if not name:  # lane 0 failed before it made the board
-                desc = json.loads(self._store.get(self._key("events/0")))
-                raise RuntimeError(f"lane 0 could not set up its exchange: {desc['error']}")
+            if not name:  # lane 0 failed before it made the board: its error says why
+                self._peer_events(0)
             self.board = Board(name, self.world_size, self.rank)
         if self._store.add(self._key("board_opened"), 1) == self.world_size:
             self.board.unlink()  # every lane mapped it: nothing left behind if one dies
+
+    def _peer_events(self, p: int) -> dict:
+        """Lane ``p``'s published event handles; raises when it published its setup failure."""
+        desc = json.loads(self._store.get(self._key(f"events/{p}")))
+        if "error" in desc:
+            raise RuntimeError(f"lane {p} could not set up its exchange: {desc['error']}")
+        return desc
 
     # --- handles ---
 
