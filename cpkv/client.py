@@ -1069,8 +1069,15 @@ class CPKVClient:
         pressure with backoff for up to this long (as :meth:`prefill`'s).
 
         Raises:
-            The failing step's error, with ``generated``: the ids generated before it (the
-            request holds the K/V of all but the last; resume from there).
+            The failing step's error, with ``generated``: the ids generated before it.
+            After a :class:`KVCapacityWaitError` the request holds all but the last of them:
+            resume with ``decode_greedy([rid], [generated[-1]])``. After a
+            :class:`RequestTimeoutError` the step was sent and holds the last one too: take
+            its answer with ``decode_greedy([rid], [generated[-1]], call_id=e.call_id)``
+            (``prefill(rid, token_ids, greedy=True, call_id=e.call_id)`` when ``generated``
+            is empty); a new call would append that id again. After a
+            :class:`StepFailedError` or :class:`LaneUnavailableError` the request is failed
+            or lost: free it and start again.
         """
         check_int("max_new_tokens", max_new_tokens, minimum=1)
         stop = _stop_tokens(eos_token_id)

@@ -131,3 +131,57 @@ def test_a_bool_among_slots_is_refused(coordinator):
     kv = torch.ones(3, 2, 8)
     with pytest.raises(InvalidRequestError, match="bools"):
         c.store_kv([True, int(slots[1]), int(slots[2])], kv, kv)
+
+
+def test_generate_after_a_timed_out_step_resumes_with_that_steps_call_id(monkeypatch):
+    """A decode step answered after the client's timeout was sent: the coordinator appended
+    its input id. ``decode_greedy`` with ``e.call_id`` takes that step's answer, as
+    ``generate`` documents; a new call would append the last id a second time."""
+    import concurrent.futures as cf
+
+    import ray
+
+    import tests.test_reliability as reliability
+    from cpkv.core.steps import StepResult
+    from cpkv.errors import RequestTimeoutError
+
+    class GreedyLanes(reliability.StepLanes):
+        def _answer(self, lane, step_id, status, result) -> None:
+            status.set_result({"step_id": step_id})
+            nxt = {0: 10 + step_id} if lane == 0 else {}
+            result.set_result(StepResult(0, 0.0, 0.0, 0.0, "pass_q", 0, next_tokens=nxt))
+
+    patch_ray(monkeypatch)
+    plain_get = ray.get
+
+    # The lanes' result handles are futures here; a repeated call's are their values (the
+    # coordinator resolves the futures it remembered: on Ray they are object refs).
+    def get(ref, timeout=None):
+        if isinstance(ref, StepResult):
+            return ref
+        return ref.result(timeout) if isinstance(ref, cf.Future) else plain_get(ref, timeout)
+
+    def wait(refs, num_returns=1, timeout=None):
+        futures = [r for r in refs if isinstance(r, cf.Future)]
+        done = (
+            cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)[0] if futures else ()
+        )
+        ready = [r for r in refs if r in done or not isinstance(r, cf.Future)][:num_returns]
+        return ready, [r for r in refs if r not in ready]
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(reliability, "StepLanes", GreedyLanes)
+    coordinator = PlainCoordinator()
+    coordinator.core, lanes = reliability.make()
+    c = plain_client(coordinator, timeout_s=0.5, call_retries=0)
+    lanes.hold.add(3)  # the second decode step runs past the client's timeout
+    prompt = np.arange(1, 9)
+    with pytest.raises(RequestTimeoutError) as info:
+        c.generate("r", prompt, max_new_tokens=5)
+    e = info.value
+    assert e.generated == [11, 12]  # the prefill's id and the first decode's
+    lanes.release(3)
+    assert list(c.decode_greedy(["r"], [e.generated[-1]], call_id=e.call_id)) == [13]
+    held = coordinator.core._core.request_len(coordinator.core._key(c.client_id, "r"))
+    assert held == len(prompt) + len(e.generated)  # the last id went in once

@@ -32,6 +32,7 @@ class CompiledTransport:
     def __init__(self) -> None:
         self.calls: list[tuple[int, str, tuple]] = []
         self.packets: list[tuple[StepPacket, Future]] = []
+        self.resets: list[int] = []
 
     def submit(self, lane: int, method: str, *args: Any) -> Future:
         self.calls.append((lane, method, args))
@@ -49,6 +50,9 @@ class CompiledTransport:
         future: Future = Future()
         self.packets.append((packet, future))
         return future
+
+    def lane_reset(self, lane: int) -> None:
+        self.resets.append(lane)
 
 
 @pytest.fixture
@@ -595,6 +599,53 @@ def test_a_write_that_fails_midway_fails_its_step_and_the_graph_is_built_again(m
     steps.close()
 
 
+def test_a_write_to_a_graph_already_torn_down_sends_the_steps_moves_again(monkeypatch):
+    """Ray's monitor tears a graph down when a lane dies: a write to it raises a closed
+    channel before any lane reads it, so the moves riding in the step go again (else every
+    lane's next step waited for moves that never came, and a healthy lane was reset)."""
+    from ray.exceptions import RayChannelError
+
+    from cpkv.coordinator.channel import StepNotSent
+
+    log: list = []
+    closed = _Graph(log, 2, fail_writes=[RayChannelError("Channel closed.")])
+    steps = _steps(monkeypatch, [closed, _Graph(log, 2)])
+    steps.start("e")
+    _built(steps)
+    for reply in steps.execute(_packet(1)).result(timeout=10):
+        assert isinstance(reply.error, StepNotSent) and "every lane alive" in str(reply.error)
+    assert closed.torn_down and steps._num_unwritten == 0
+    assert _values(steps.execute(_packet(2)))[0][1] == "lane 0 step 2"
+    steps.close()
+
+
+def test_a_lane_reset_retires_the_graph_and_the_next_step_builds_another(monkeypatch):
+    """A lane lost while no step ran: the graph to it is stale (Ray tore it down with the
+    lane), so no step is written to it; the next one builds a graph on the live lanes."""
+    log: list = []
+    old, new = _Graph(log, 2), _Graph(log, 2)
+    steps = _steps(monkeypatch, [old, new, _Graph(log, 2)])
+    steps.start("e")
+    _built(steps)
+    assert _values(steps.execute(_packet(1)))[1][1] == "lane 1 step 1"
+    steps.lane_reset(1)
+    assert _values(steps.execute(_packet(2)))[1][1] == "lane 1 step 2"
+    assert old.torn_down and not new.torn_down and steps.num_builds == 2
+    assert log[-1] == ("cpkv-graph", 2) and steps.num_breaks == 0
+    steps.lane_reset(0)  # twice in a row, or with no graph built: nothing to retire
+    steps.lane_reset(0)
+    assert _values(steps.execute(_packet(3)))[0][1] == "lane 0 step 3"
+    assert new.torn_down and steps.num_builds == 3
+    steps.close()
+
+
+def test_a_compiled_channel_tells_its_transport_of_each_lane_reset(compiled):
+    ch, transport = compiled
+    assert transport.resets == [0, 1]  # the fixture's first generations
+    ch.new_generation(1)
+    assert transport.resets == [0, 1, 1]
+
+
 def test_a_step_the_graph_has_no_room_for_yet_is_written_by_the_graph_thread(monkeypatch):
     from ray.exceptions import RayCgraphCapacityExceeded
 
@@ -711,6 +762,19 @@ def test_a_compiled_graph_is_rebuilt_after_a_lane_dies(make_client):
     stats = c.stats()
     assert stats["compiled_graph_breaks"] == before["compiled_graph_breaks"] + 1
     assert stats["compiled_graph_builds"] >= before["compiled_graph_builds"] + 1
+    assert c.check()["ok"]
+    # A lane that dies and comes back while no step runs: the next step builds a graph on
+    # the live lanes (it wrote to the torn-down one and failed, and the moves riding in it
+    # were lost: the step after waited for them and a healthy lane was reset).
+    losses = len(stats["lane_losses"])
+    ray.kill(c.lanes[0], no_restart=False)
+    wait_for(lambda: len(c.stats()["lane_losses"]) > losses)
+    wait_for(lambda: c.stats()["lane_states"] == ["up"] * 2)
+    for rid in ("c", "d"):
+        res = c.prefill(rid, prompt, probe=qkv(prompt))
+        close(res.attention, reference(prompt, 0))
+    stats = c.stats()
+    assert [lane for lane, _ in stats["lane_losses"][losses:]] == [0], stats["lane_losses"]
     assert c.check()["ok"]
 
 

@@ -48,7 +48,7 @@ from concurrent.futures import Future
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
-from ray.exceptions import RayCgraphCapacityExceeded
+from ray.exceptions import RayCgraphCapacityExceeded, RayChannelError
 
 from cpkv.actors.graphs import IDLE_TEARDOWN_S, compile_unowned, teardown_quietly
 from cpkv.actors.wire import pack, unpack
@@ -61,6 +61,7 @@ __all__ = ["CompiledSteps"]
 logger = logging.getLogger("cpkv.actors.compiled_steps")
 
 _STOP = object()
+_RETIRE = "retire"  # (_RETIRE, graph): a graph to a lane that was lost, torn down in order
 # NOTE: a graph's read waits Ray's default of 10 s (RAY_CGRAPH_get_timeout) unless told:
 # a longer step would break the graph. A hung lane is the supervisor's to kill instead.
 _NO_TIMEOUT_S = 7 * 24 * 3600.0
@@ -148,6 +149,17 @@ class CompiledSteps:
             _abort(future, len(self._lanes), "the coordinator's lanes graph is closed")
         return future
 
+    def lane_reset(self, lane: int) -> None:
+        """``lane`` was lost and is being reset: no step is written to the graph from here
+        on, and the next step builds another from the live lanes. The old graph is torn down
+        after the steps written to it are read (Ray's monitor may have torn it down already:
+        a write to it raised a closed channel, and the lanes' moves riding in it were lost).
+        """
+        with self._write_lock:
+            graph, self._graph = self._graph, None
+            if graph is not None:
+                self._queue.put((_RETIRE, graph))
+
     def close(self) -> None:
         """Tear the graph down after the steps queued before; steps sent later are aborted."""
         with self._write_lock:
@@ -174,6 +186,9 @@ class CompiledSteps:
             if item is _BUILD:
                 if self._graph is None:
                     self._try_build()
+                continue
+            if item[0] is _RETIRE:
+                teardown_quietly(item[1])
                 continue
             packet, future, refs, graph = item
             future.set_result(self._run(packet, refs, graph))
@@ -214,6 +229,8 @@ class CompiledSteps:
         try:
             if isinstance(refs, _WriteFailed):
                 self._drop_unwritten()
+                if isinstance(refs.error, RayChannelError):  # torn down: no lane reads it
+                    raise _NotWritten(f"{type(refs.error).__name__}: {refs.error}") from refs.error
                 raise refs.error
             if refs is None:
                 graph = self._graph  # what a failed build or write below tears down

@@ -68,3 +68,6 @@ class CompiledRayLaneTransport(RayLaneTransport):
 
     def execute_steps(self, packet: StepPacket) -> Future:
         return self.steps.execute(packet)
+
+    def lane_reset(self, lane: int) -> None:
+        self.steps.lane_reset(lane)

@@ -81,8 +81,8 @@ class StepAborted(RuntimeError):
 
 
 class StepNotSent(StepAborted):
-    """A compiled step that reached no lane (its graph could not be built): the page moves
-    riding in it go again as ordinary calls."""
+    """A compiled step that reached no lane (its graph could not be built, or was torn down
+    when it was written): the page moves riding in it go again as ordinary calls."""
 
 
 class LaneTransport(Protocol):
@@ -98,7 +98,8 @@ class LaneTransport(Protocol):
         """Which of ``handles`` have a result now (never blocks)."""
 
     # Optional: a transport that runs steps as one compiled graph has
-    # ``execute_steps(packet: StepPacket) -> Future[list[LaneReply]]`` (one answer a lane).
+    # ``execute_steps(packet: StepPacket) -> Future[list[LaneReply]]`` (one answer a lane)
+    # and ``lane_reset(lane: int) -> None`` (the lane is lost: the graph to it is stale).
 
 
 _STOP = object()
@@ -219,6 +220,8 @@ class LaneChannel:
             self._waiting[lane].clear()  # the lane starts empty: nothing to move
         with self._pending_lock:
             self._pending = deque(p for p in self._pending if p[0] != lane)
+        if self.compiled:
+            self._transport.lane_reset(lane)
         return gen
 
     def send_moves(
