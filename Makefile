@@ -3,7 +3,7 @@ PY ?= python3
 install:
 	PYTHON=$(PY) scripts/install.sh
 demo: install
-	cpkv demo
+	$(PY) -m cpkv demo
 test: install
 	$(PY) scripts/run_tests.py
 lint:

@@ -288,6 +288,22 @@ def probe(
     return nodes
 
 
+def _int_at_least(low: int):
+    """An argparse type: an int ``>= low``, as :func:`start_cluster` asks (0 worker nodes
+    failed there, after the arguments, with a traceback)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="local-cluster.py",
@@ -295,10 +311,11 @@ def _parser() -> argparse.ArgumentParser:
         "unknown arguments (or those after --) go to cpkv bench.",
         allow_abbrev=False,  # never swallow a bench option by prefix
     )
-    p.add_argument("--workers", type=int, default=2, help="worker nodes (default 2)")
-    p.add_argument("--gpus-per-worker", type=int, default=2, help="logical GPUs (default 2)")
-    p.add_argument("--cpus-per-worker", type=int, default=2, help="logical CPUs (default 2)")
-    p.add_argument("--head-cpus", type=int, default=2, help="head CPUs, no GPUs (default 2)")
+    positive, count = _int_at_least(1), _int_at_least(0)
+    p.add_argument("--workers", type=positive, default=2, help="worker nodes (default 2)")
+    p.add_argument("--gpus-per-worker", type=positive, default=2, help="logical GPUs (default 2)")
+    p.add_argument("--cpus-per-worker", type=positive, default=2, help="logical CPUs (default 2)")
+    p.add_argument("--head-cpus", type=count, default=2, help="head CPUs, no GPUs (default 2)")
     p.add_argument("--object-store-mb", type=int, default=None, help="object store per node")
     p.add_argument(
         "--probe",

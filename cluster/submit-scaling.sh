@@ -20,6 +20,8 @@
 #   PIP      [matplotlib>=3.7]                   extra pip packages for the job (spaces)
 #   RUNTIME_ENV_JSON                             replaces the whole runtime env
 set -euo pipefail
+# NOTE: a possibly empty array is expanded as ${a[@]+"${a[@]}"}: under set -u, bash < 4.4
+# (macOS's 3.2) takes "${a[@]}" of an empty array for an unbound variable.
 
 usage() {
     sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
@@ -57,7 +59,7 @@ PIP="${PIP:-matplotlib>=3.7}"
 if [[ -z "${RUNTIME_ENV_JSON:-}" ]]; then
     read -r -a pkgs <<<"$PIP"
     pip_json=""
-    for pkg in "${pkgs[@]}"; do
+    for pkg in ${pkgs[@]+"${pkgs[@]}"}; do
         pip_json+="${pip_json:+, }\"$pkg\""
     done
     # Ray skips .gitignore'd files itself; these are ignored only locally or are big.
@@ -71,7 +73,7 @@ cmd=(
     --submission-id "$JOB_ID"
     --working-dir .
     --runtime-env-json "$RUNTIME_ENV_JSON"
-    "${wait_flag[@]}"
+    ${wait_flag[@]+"${wait_flag[@]}"}
     --
     cpkv bench
     --address auto
@@ -82,7 +84,7 @@ cmd=(
     --strategy "$STRATEGY"
     --num-gpus-per-lane "$NUM_GPUS_PER_LANE"
     --out "$OUT"
-    "${extra[@]}"
+    ${extra[@]+"${extra[@]}"}
 )
 
 echo "submitting $JOB_ID to $address"

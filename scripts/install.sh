@@ -5,16 +5,34 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
-if ! "$py" -c 'import torch' 2>/dev/null; then
+# The torch pyproject.toml asks for ("torch>=X.Y"): an older one installed would be upgraded by
+# the `pip install -e .` below from PyPI, i.e. to the CUDA build. Compared by hand: `packaging`
+# may be absent. The installs below ask for that range too: a bare `torch` is satisfied by
+# the old one and upgrades nothing.
+torch_min=$(sed -n 's/^ *"torch>=\([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p' pyproject.toml | head -n 1)
+torch_ok() {
+    "$py" - "${torch_min:-0.0}" <<'PY' 2>/dev/null
+import re
+import sys
+
+import torch
+
+want = tuple(int(x) for x in sys.argv[1].split("."))
+have = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+sys.exit(0 if have >= want else 1)
+PY
+}
+if ! torch_ok; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        "$py" -m pip install -q torch
+        "$py" -m pip install -q "torch>=${torch_min:-0}"
     elif [ -n "${CPKV_TORCH_INDEX:-}" ]; then
-        "$py" -m pip install -q torch --index-url "$CPKV_TORCH_INDEX"
+        "$py" -m pip install -q "torch>=${torch_min:-0}" --index-url "$CPKV_TORCH_INDEX"
     else
         # The CPU build by its local version (pip finds it on disk where a wheel folder holds
         # it), else from PyTorch's CPU index: a bare `torch` from PyPI is the CUDA build.
         "$py" -m pip install -q "torch==2.13.0+cpu" ||
-            "$py" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+            "$py" -m pip install -q "torch>=${torch_min:-0}" \
+                --index-url https://download.pytorch.org/whl/cpu
     fi
 fi
 "$py" -m pip install -q -e ".[test,bench,dev]"

@@ -117,6 +117,10 @@ EMBEDDED = textwrap.dedent(
     b = cpkv.connect(name="b", num_gpus_per_lane=0, **shape)
     a.shutdown()
     print("ray after a:", ray.is_initialized(), b.stats()["num_requests"])
+    # At once on the share a's group gives back (asynchronously: refused before).
+    c = cpkv.connect(name="c", **shape)
+    print("next pool on a's share:", c.stats()["num_requests"] == 0)
+    c.shutdown()
     b.shutdown()
     print("ray after b:", ray.is_initialized())
     b.shutdown()  # a second time: does not start a Ray to stop the pool in again
@@ -145,6 +149,7 @@ def test_two_pools_on_the_embedded_ray_and_the_last_one_stops_it(tmp_path):
     assert lines == [
         "full: True",
         "ray after a: True 0",
+        "next pool on a's share: True",
         "ray after b: False",
         "ray after b again: False",
         *["used after shutdown: True False"] * 3,

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 __all__ = [
     "NAMESPACE",
+    "check_address",
     "embedded_ray_released",
     "ensure_ray",
     "keep_ray_on_loopback",
@@ -53,6 +54,26 @@ def keep_ray_on_loopback() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+def check_address(address: object) -> str | None:
+    """``address`` when it names how to start or reach Ray as :func:`ensure_ray` means.
+
+    Raises:
+        InvalidRequestError: ``"local"`` (Ray's own spelling of a fresh local Ray: it would
+            skip the loopback setting that only ``None`` applies), an empty string or a
+            non-string.
+    """
+    if address is None:
+        return None
+    if not isinstance(address, str) or not address.strip() or address.strip() == "local":
+        from cpkv.errors import InvalidRequestError
+
+        raise InvalidRequestError(
+            f"address={address!r}; expected None (an embedded Ray on 127.0.0.1), 'auto', "
+            "'ray://host:port' or 'host:port'"
+        )
+    return address
+
+
 def ensure_ray(address: str | None, *, num_lanes: int, quiet: bool = False) -> bool:
     """Attach to Ray, or start an embedded local one, unless this process has Ray already.
 
@@ -66,7 +87,11 @@ def ensure_ray(address: str | None, *, num_lanes: int, quiet: bool = False) -> b
 
     Returns:
         True when this call initialised Ray in this process (the caller shuts it down).
+
+    Raises:
+        InvalidRequestError: an address of no form above (``"local"``: pass ``None``).
     """
+    check_address(address)
     if address is None:
         keep_ray_on_loopback()
     import ray

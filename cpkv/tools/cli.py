@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
+from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["main"]
 
@@ -51,6 +53,92 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    """An argparse type: a finite float ``>= 0`` (``--num-gpus-per-lane 0``: CPU lanes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number >= 0")
+    return value
+
+
+def _contexts(text: str) -> list[int]:
+    """``32k,128k`` -> [32768, 131072]: context lengths in tokens, each at least 1."""
+    values = []
+    for x in text.split(","):
+        if not x.strip():
+            continue
+        try:
+            value = _tokens(x)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(
+                f"{x!r} is not a token count (1000, 32k, 1M)"
+            ) from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{x!r} is {value} tokens; must be >= 1")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} names no context length")
+    return values
+
+
+def _address(text: str) -> str | None:
+    """``--address``: ``local`` is the embedded Ray (as no ``--address``), kept on loopback;
+    anything else as :func:`cpkv.actors.ray_env.check_address` allows."""
+    if text.strip() == "local":
+        return None
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty; pass 'auto', ray://host:port or host:port")
+    return text
+
+
+class _LazyChoices(Sequence):
+    """``choices=`` read from the module that validates them, imported on first use only
+    (``cpkv.actors.pool`` imports Ray, ``cpkv.models`` torch: not for ``cpkv --help``'s
+    usage line). Pass a ``metavar`` with it, or argparse lists the choices at once."""
+
+    def __init__(self, load: Callable[[], Sequence[str]]) -> None:
+        self._load = load
+        self._values: tuple[str, ...] | None = None
+
+    def _get(self) -> tuple[str, ...]:
+        if self._values is None:
+            self._values = tuple(self._load())
+        return self._values
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._get()
+
+
+def _strategies() -> Sequence[str]:
+    from cpkv.actors.pool import STRATEGIES
+
+    return STRATEGIES
+
+
+def _modes() -> Sequence[str]:
+    from cpkv.core.steps import MODES
+
+    return MODES
+
+
+def _dtypes() -> Sequence[str]:
+    from cpkv.models.config import DTYPES
+
+    return DTYPES
+
+
 def _ints(text: str) -> list[int]:
     """``1,2,4`` -> [1, 2, 4]: lane counts, each at least 1, at least one."""
     values = [_int_at_least(1)(x) for x in text.split(",") if x]
@@ -63,9 +151,16 @@ def _add_run_arguments(p: argparse.ArgumentParser, *, page_size: int) -> None:
     """The arguments every command shares: where the lanes run and how the run looks."""
     g = p.add_argument_group("pool and run")
     g.add_argument("--page-size", type=_int_at_least(1), default=page_size)
-    g.add_argument("--address", default=None, help="'auto' or ray://...; default: embedded Ray")
-    g.add_argument("--num-gpus-per-lane", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0, help="random weights' and prompts' seed")
+    g.add_argument(
+        "--address",
+        type=_address,
+        default=None,
+        help="'auto', ray://host:port or host:port; default (or 'local'): embedded Ray",
+    )
+    g.add_argument("--num-gpus-per-lane", type=_non_negative_float, default=None)
+    g.add_argument(
+        "--seed", type=_int_at_least(0), default=0, help="random weights' and prompts' seed"
+    )
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -104,24 +199,41 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--lanes", type=_ints, default=None, help="default 1,2,4,8 (--prefill: 1,2,4)")
     b.add_argument(
         "--context",
-        type=lambda s: [_tokens(x) for x in s.split(",")],
+        type=_contexts,
         default=None,
         help="default 32k,128k (--prefill: 2k,4k; pass 32k on GPUs)",
     )
     b.add_argument(
         "--requests", type=_int_at_least(1), default=None, help="default 8 (--prefill: 3)"
     )
+    # NOTE: the mode-only flags default to None, so that one given to the other mode is
+    # told apart from its default and refused (see _PREFILL_ONLY).
     b.add_argument(
-        "--concurrency", type=_int_at_least(1), default=2, help="allocation bench threads"
+        "--concurrency",
+        type=_int_at_least(1),
+        default=None,
+        help="allocation bench threads (default 2; not with --prefill)",
     )
     b.add_argument(
         "--model",
-        default="small",
+        default=None,
         help="--prefill: a checkpoint DIR or random weights of a preset: small (default), "
         "tiny, llama-3.2-1b",
     )
-    b.add_argument("--dtype", default=None, help="--prefill: run the model in this dtype")
-    b.add_argument("--attention-mode", default="auto", help="--prefill: auto, pass_q or pass_kv")
+    b.add_argument(
+        "--dtype",
+        choices=_LazyChoices(_dtypes),
+        metavar="DTYPE",
+        default=None,
+        help="--prefill: run the model in this dtype: %(choices)s",
+    )
+    b.add_argument(
+        "--attention-mode",
+        choices=_LazyChoices(_modes),
+        metavar="MODE",
+        default=None,
+        help="--prefill: %(choices)s (default auto)",
+    )
     b.add_argument(
         "--link-gbps",
         type=_positive_float,
@@ -129,11 +241,65 @@ def _parser() -> argparse.ArgumentParser:
         help="--prefill: link rate (GB/s, one way) of the one-GPU-per-lane projection "
         "(default: NVLink-class 450)",
     )
-    b.add_argument("--strategy", default="STRICT_PACK")
+    b.add_argument(
+        "--strategy",
+        choices=_LazyChoices(_strategies),
+        metavar="STRATEGY",
+        default="STRICT_PACK",
+        help="lane placement: %(choices)s (default %(default)s)",
+    )
     b.add_argument("--out", default="results")
     b.add_argument("--no-plot", action="store_true")
     _add_run_arguments(b, page_size=64)
     return p
+
+
+# ``cpkv bench`` flags that only ``--prefill`` reads (dest -> flag).
+_PREFILL_ONLY = {
+    "model": "--model",
+    "dtype": "--dtype",
+    "attention_mode": "--attention-mode",
+    "link_gbps": "--link-gbps",
+}
+
+
+def _check_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse ``cpkv bench`` flags its mode ignores, and a placement the embedded Ray cannot
+    give (it waited for the placement group for minutes, then timed out)."""
+    if args.prefill:
+        if args.concurrency is not None:
+            parser.error("--concurrency: the allocation bench's threads; not with --prefill")
+    else:
+        for dest, flag in _PREFILL_ONLY.items():
+            if getattr(args, dest) is not None:
+                parser.error(f"{flag} is read by --prefill only; add --prefill or drop it")
+    lanes = args.lanes or ([1, 2, 4] if args.prefill else [1, 2, 4, 8])
+    if args.address is None and args.strategy == "STRICT_SPREAD" and max(lanes) >= 2:
+        parser.error(
+            f"--strategy STRICT_SPREAD puts each lane on a node of its own, and the embedded "
+            f"Ray (no --address) has one node: --lanes {','.join(map(str, lanes))} cannot "
+            "be placed; pass --address of a cluster with enough nodes, --lanes 1, or another "
+            "--strategy"
+        )
+
+
+def _check_demo(parser: argparse.ArgumentParser, cfg) -> None:
+    """Refuse ``--pages-per-lane`` too small for the demo's longest request alone (it
+    retried capacity waits for minutes, then failed)."""
+    if cfg.num_pages_per_lane is None:
+        return
+    from cpkv.core.layout import PageLayout
+
+    # As auto_pages_per_lane: the reserved page 0 and a page of unevenness over the lanes.
+    layout = PageLayout(cfg.cp_size, cfg.page_size)
+    longest = cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens
+    needed = layout.pages_per_lane_for(layout.pages_for(longest)) + 2
+    if cfg.num_pages_per_lane < needed:
+        parser.error(
+            f"--pages-per-lane {cfg.num_pages_per_lane}: the longest request ({longest} "
+            f"tokens, {layout.pages_for(longest)} pages of {cfg.page_size} over "
+            f"{cfg.cp_size} lane(s)) needs at least {needed} pages per lane"
+        )
 
 
 def _bench_config(args: argparse.Namespace):
@@ -156,9 +322,9 @@ def _bench_config(args: argparse.Namespace):
             lanes=[1, 2, 4] if args.lanes is None else args.lanes,
             contexts=args.context,
             requests=3 if args.requests is None else args.requests,
-            model=args.model,
+            model="small" if args.model is None else args.model,
             dtype=args.dtype,
-            attention_mode=args.attention_mode,
+            attention_mode="auto" if args.attention_mode is None else args.attention_mode,
             **({} if args.link_gbps is None else {"link_gb_per_s": args.link_gbps}),
             **common,
         )
@@ -166,7 +332,7 @@ def _bench_config(args: argparse.Namespace):
         lanes=[1, 2, 4, 8] if args.lanes is None else args.lanes,
         contexts=args.context or [32 << 10, 128 << 10],
         requests=8 if args.requests is None else args.requests,
-        concurrency=args.concurrency,
+        concurrency=2 if args.concurrency is None else args.concurrency,
         **common,
     )
 
@@ -174,22 +340,22 @@ def _bench_config(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    model = args.model if args.cmd == "demo" else (args.model if args.prefill else None)
+    if args.cmd == "bench":
+        _check_bench(parser, args)
+    model = (
+        args.model if args.cmd == "demo" else ((args.model or "small") if args.prefill else None)
+    )
     if model is not None and not os.path.isdir(model):
         from cpkv.models import MODEL_PRESETS
 
         if args.cmd == "demo" or model not in MODEL_PRESETS:
             presets = "" if args.cmd == "demo" else f" or a preset ({', '.join(MODEL_PRESETS)})"
             parser.error(f"--model {model!r}: not a checkpoint directory{presets}")
-    _setup_logging()
-    if args.address is None:
-        from cpkv.actors.ray_env import keep_ray_on_loopback
-
-        keep_ray_on_loopback()
+    demo_cfg = None
     if args.cmd == "demo":
-        from cpkv.tools.demo import DemoConfig, run_demo
+        from cpkv.tools.demo import DemoConfig
 
-        cfg = DemoConfig(
+        demo_cfg = DemoConfig(
             cp_size=args.cp_size,
             page_size=args.page_size,
             num_pages_per_lane=args.pages_per_lane,
@@ -202,7 +368,16 @@ def main(argv: list[str] | None = None) -> int:
             num_gpus_per_lane=args.num_gpus_per_lane,
             progress=not args.no_progress,
         )
-        return run_demo(cfg)
+        _check_demo(parser, demo_cfg)
+    _setup_logging()
+    if args.address is None:
+        from cpkv.actors.ray_env import keep_ray_on_loopback
+
+        keep_ray_on_loopback()
+    if demo_cfg is not None:
+        from cpkv.tools.demo import run_demo
+
+        return run_demo(demo_cfg)
     from cpkv.tools.bench import PrefillBenchConfig, run_bench, run_prefill_bench
 
     cfg = _bench_config(args)

@@ -2,10 +2,10 @@
 
 The model (random weights from a seed, or a local checkpoint directory) runs on ``cp_size``
 lanes. Worker threads play prefill jobs: each takes a prompt (prompts share a few prefixes),
-prefills it chunk by chunk with :meth:`cpkv.CPKVClient.prefill` (capacity waits back off until
-a deadline; a request that cannot go on is freed without caching and queued again), decodes a
-few tokens greedily with :meth:`cpkv.CPKVClient.decode`, and frees the request with caching.
-The pool is sized so that prefix eviction and capacity waits happen.
+prefills it chunk by chunk with :meth:`cpkv.client.CPKVClient.prefill` (capacity waits back
+off until a deadline; a request that cannot go on is freed without caching and queued again),
+decodes a few tokens greedily with :meth:`cpkv.client.CPKVClient.decode`, and frees the
+request with caching. The pool is sized so that prefix eviction and capacity waits happen.
 
 Every request's last-token logits after its last prefill chunk and after each decode step are
 compared with a single-device run of the same weights in this process: the whole sequence
@@ -165,10 +165,10 @@ class DemoResult:
         tokens_per_s: (prefilled + decoded) tokens per second of serving.
         lane_tokens: prefill tokens each lane computed (the lane of each new token's page).
         lane_seconds: each lane's seconds in its prefill steps (its work and its waits in
-            the lanes' collectives: :attr:`cpkv.PrefillResult.lane_seconds`).
+            the lanes' collectives: :attr:`cpkv.client.PrefillResult.lane_seconds`).
         accounting_exact: the coordinator's check holds, no request is left and every page is
             free or cached.
-        stats: the coordinator's final :meth:`cpkv.CPKVClient.stats`.
+        stats: the coordinator's final :meth:`cpkv.client.CPKVClient.stats`.
         failed: requests that failed, with why.
     """
 
