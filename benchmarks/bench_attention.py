@@ -457,7 +457,9 @@ def sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, object
 def tma_sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, object]]:
     """(head dim, TMA config) pairs to time: tile shapes, pipelining depth, warps, GQA packing
     and Triton's warp specialisation, around the FA2/FA3 shapes (128 query rows)."""
-    shapes = {  # (block_m, block_n, heads, warps, stages, warp_specialize, heads_first)
+    # (block_m, block_n, heads, warps, stages, warp_specialize, heads_first, pair_tiles,
+    # exp_fma)
+    shapes = {
         128: [
             (128, 64, 1, 4, 3, True),
             (128, 64, 1, 8, 3, True),
@@ -475,6 +477,9 @@ def tma_sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, ob
             (128, 64, 1, 8, 3, False),
         ],
         64: [
+            # Today's config against the pairs' second exp2 on the FMA pipes, twice in turn
+            # (the arms' own spread is a few per cent).
+            *[(64, 128, 1, 4, 2, False, False, True, fma) for _ in range(2) for fma in (False, True)],
             (64, 128, 1, 4, 2, True),
             (128, 128, 1, 8, 2, True),
             (128, 64, 1, 4, 2, True),
@@ -525,6 +530,8 @@ def sweep(tab: Table, K, seconds: float, d_only: int | None = None, kernel: str 
                 f"w={cfg.num_warps} s={cfg.num_stages}"
                 + (" ws" if getattr(cfg, "warp_specialize", False) else "")
                 + (" heads-first" if getattr(cfg, "heads_first", False) else "")
+                + (" pairs" if getattr(cfg, "pair_tiles", False) else "")
+                + (" exp-fma" if getattr(cfg, "exp_fma", False) else "")
             )
             sub = Table()
             sub.quiet = True

@@ -376,11 +376,16 @@ def test_paged_attention_strided_queries():
 
 
 def tma_tiles(
-    block_m: int, block_n: int, heads: int, heads_first: bool = False, pairs: bool = False
+    block_m: int,
+    block_n: int,
+    heads: int,
+    heads_first: bool = False,
+    pairs: bool = False,
+    exp_fma: bool = False,
 ) -> dict:
     """Every TMA config replaced by small tiles (the interpreter's cost grows with them)."""
     cfg = tma_mod.TmaConfig(
-        block_m, block_n, heads, 4, 2, heads_first=heads_first, pair_tiles=pairs
+        block_m, block_n, heads, 4, 2, heads_first=heads_first, pair_tiles=pairs, exp_fma=exp_fma
     )
     return {d: cfg for d in tma_mod.CONFIGS}
 
@@ -414,6 +419,43 @@ def test_tma_path_matches_reference(monkeypatch, layout, ps, dtype, tiling):
     assert_attention_close(
         run_kernel(x, scale), naive.paged_partial_attention(*x.args(), scale), dtype
     )
+
+
+@pytest.mark.parametrize(
+    "layout", ["ragged-3-seqs", "zigzag-cp2-lane1-shuffled", "partial-pages-mid"]
+)
+def test_tma_pairs_with_exp2_on_the_fma_pipes_match_reference(monkeypatch, layout):
+    monkeypatch.setattr(tma_mod, "MODE", "always")
+    monkeypatch.setattr(tma_mod, "CONFIGS", tma_tiles(16, 64, 1, pairs=True, exp_fma=True))
+    ps = 32  # the 64-key tile cut to the page: paired, and the pairs' second exp2 emulated
+    assert tma_mod.config_for(32, ps, group=2, max_q_len=64).exp_fma
+    x = build(LAYOUTS[layout](ps), ps, hq=4, hkv=2, d=32, dtype=torch.bfloat16, seed=ps + 3)
+    scale = 32**-0.5
+    assert_attention_close(
+        run_kernel(x, scale), naive.paged_partial_attention(*x.args(), scale), torch.bfloat16
+    )
+
+
+def test_exp2_on_the_fma_pipes_is_within_the_cubics_error():
+    """2^x for x <= 0 (scores less the row maximum): relative error under 7.5e-5 down to
+    2^-125, and below that a normal float no larger than 2^-124 (0 beside the maximum)."""
+    from cpkv.kernels._common import for_current_mode, tl, triton
+
+    @triton.jit
+    def exp2_kernel(x_ptr, y_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(y_ptr + i, tma_mod._exp2_fma(tl.load(x_ptr + i)))
+
+    edges = torch.tensor([0.0, -0.5, -0.49999997, -0.50000006, -1.5, -2.5, -124.6, -125.0])
+    x = torch.cat([edges, -torch.rand(1000) * 130.0, -torch.rand(1000) * 2.0])
+    x = torch.cat([x, torch.zeros(2048 - x.numel())])
+    y = dev(torch.empty_like(x))
+    for_current_mode(exp2_kernel)[(1,)](dev(x), y, N=x.numel())
+    y, want = y.cpu().double(), torch.exp2(x.double())
+    normal = x >= -125.0
+    rel = ((y - want).abs() / want)[normal]
+    assert rel.max() < 7.5e-5, (rel.max(), x[normal][rel.argmax()])
+    assert (y[~normal] > 0).all() and (y[~normal] <= 2.0**-124).all()
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), [s for s in GQA_SHAPES if s.id != "gqa3-d24"])

@@ -53,6 +53,11 @@ class TmaConfig:
             one rescale of the output per ``2 * block_n`` keys (a tile never spans pages, so
             this is how a page of 64 gets 128-key steps); :func:`config_for` keeps it only
             where the page cut the tile to half ``block_n`` or less.
+        exp_fma: with ``pair_tiles``, the second tile's ``exp2`` by a cubic on the FMA
+            pipes instead of the special-function unit (FA4's software exponential): at
+            D=64 one score costs ``4 * D`` = 256 tensor-core flops (~1/16 clock of an sm_90
+            SM at ~4096 dense bf16 flops a clock) and one ``exp2`` (16 a clock): the two
+            units are equally busy, and half the exponentials move to the idle pipes.
     """
 
     block_m: int
@@ -63,6 +68,7 @@ class TmaConfig:
     warp_specialize: bool = False
     heads_first: bool = False
     pair_tiles: bool = False
+    exp_fma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "heads_per_program", "num_warps"):
@@ -75,6 +81,8 @@ class TmaConfig:
             raise ValueError(
                 f"TmaConfig: block_m {self.block_m} and block_n {self.block_n} must be >= 16"
             )
+        if self.exp_fma and not self.pair_tiles:
+            raise ValueError("TmaConfig: exp_fma applies to the paired tiles; set pair_tiles")
         if self.block_m % self.heads_per_program:
             raise ValueError(
                 f"TmaConfig: block_m {self.block_m} is not a multiple of heads_per_program "
@@ -126,6 +134,8 @@ def config_for(head_dim: int, page_size: int, group: int, max_q_len: int) -> Tma
     heads = _gcd_pow2(cfg.heads_per_program, group)
     block_m = min(cfg.block_m, max(16, next_power_of_2(max_q_len * heads)))
     block_n = min(cfg.block_n, page_size)
+    # Pairs give back the configured key step where the page cut the tile (no more).
+    pairs = cfg.pair_tiles and 2 * block_n <= cfg.block_n
     return TmaConfig(
         block_m=block_m,
         block_n=block_n,
@@ -134,8 +144,8 @@ def config_for(head_dim: int, page_size: int, group: int, max_q_len: int) -> Tma
         num_stages=cfg.num_stages,
         warp_specialize=cfg.warp_specialize,
         heads_first=cfg.heads_first,
-        # Pairs give back the configured key step where the page cut the tile (no more).
-        pair_tiles=cfg.pair_tiles and 2 * block_n <= cfg.block_n,
+        pair_tiles=pairs,
+        exp_fma=cfg.exp_fma and pairs,
     )
 
 
@@ -185,6 +195,29 @@ def kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -
 
 
 if HAS_TRITON:
+    # 2^f on |f| <= 1/2: a cubic fitted for relative error (under 7.5e-5; p is rounded to
+    # the 16-bit dtype, relative 2^-8 or 2^-11, before its dot with V).
+    _EXP2_C3 = tl.constexpr(0.05517145047549069)
+    _EXP2_C2 = tl.constexpr(0.24261111737372776)
+    _EXP2_C1 = tl.constexpr(0.6932610262135153)
+    _EXP2_C0 = tl.constexpr(0.9999280740706467)
+    # x + 1.5 * 2^23 rounds x to an integer j held in the low bits of the sum's mantissa.
+    _ROUND_MAGIC = tl.constexpr(12582912.0)
+
+    @triton.jit
+    def _exp2_fma(x):
+        # 2^x for x <= 0 without the special-function unit: x = j + f with j = round(x) and
+        # |f| <= 1/2; 2^f by the cubic, then j added to its exponent bits. NOTE: the sum's
+        # bits are 0x4B400000 + j; shifted left 23 in 32 bits, only j << 23 is left. x is
+        # clamped so 2^j stays a normal float (2^-125 is 0 beside the row's maximum of 1).
+        x = tl.maximum(x, -125.0)
+        t = x + _ROUND_MAGIC
+        f = x - (t - _ROUND_MAGIC)
+        p = _EXP2_C3 * f + _EXP2_C2
+        p = p * f + _EXP2_C1
+        p = p * f + _EXP2_C0
+        bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _tma_tile_update(
@@ -250,6 +283,7 @@ if HAS_TRITON:
         PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr,
+        EXP_FMA: tl.constexpr,
     ):
         # Two key tiles of full pages every query sees, one online-softmax step for both (as
         # softmax_tile's unmasked branch over 2 * BLOCK_N keys). NOTE: each tile lies in one
@@ -268,7 +302,10 @@ if HAS_TRITON:
         qk1 = tl.dot(q, k1.T)
         m_new = tl.maximum(m_i, tl.maximum(tl.max(qk0, 1), tl.max(qk1, 1)) * qk_scale)
         p0 = tl.math.exp2(qk0 * qk_scale - m_new[:, None])
-        p1 = tl.math.exp2(qk1 * qk_scale - m_new[:, None])
+        if EXP_FMA:  # the second tile's exponentials on the FMA pipes (TmaConfig.exp_fma)
+            p1 = _exp2_fma(qk1 * qk_scale - m_new[:, None])
+        else:
+            p1 = tl.math.exp2(qk1 * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1)
         v0 = v_desc.load([y0, kv_col])
@@ -311,6 +348,7 @@ if HAS_TRITON:
         WARP_SPECIALIZE: tl.constexpr,
         HEADS_FIRST: tl.constexpr,  # grid (head group, query block), else the other way round
         PAIR_TILES: tl.constexpr,  # two key tiles a softmax step over fully visible pages
+        EXP_FMA: tl.constexpr,  # the pairs' second exp2 on the FMA pipes
         UPCAST: tl.constexpr,  # run the dots on fp32 copies of the tiles (interpreter + bf16)
     ):
         # Grid and walk as the pointer kernel's: (query block, group of HP query heads); first
@@ -362,7 +400,7 @@ if HAS_TRITON:
             for row0 in tl.range(row_lo, row_pairs, 2 * BLOCK_N):
                 acc, l_i, m_i = _tma_pair_update(
                     acc, l_i, m_i, q, row0, qk_scale, page_table_ptr, k_desc, v_desc, kv_col,
-                    PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST,
+                    PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, UPCAST=UPCAST, EXP_FMA=EXP_FMA,
                 )  # fmt: skip
             row_full = row_pairs
         else:
@@ -443,6 +481,7 @@ def launch(
         WARP_SPECIALIZE=cfg.warp_specialize,
         HEADS_FIRST=heads_first,
         PAIR_TILES=cfg.pair_tiles,
+        EXP_FMA=cfg.exp_fma,
         UPCAST=upcast,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
