@@ -214,6 +214,22 @@ class FailingOpen(FakeIpcDevice):
         raise RuntimeError("cannot map this peer")
 
 
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+
+
+def listeners(port: int) -> list[list[str]]:
+    """``[family, hex address]`` of the sockets listening on ``port`` (from /proc)."""
+    found = []
+    for family in ("tcp", "tcp6"):
+        with open(f"/proc/net/{family}") as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.append([family, address])
+    return found
+
+
 def lane_main(rank: int, ws: int, ports: list[int], out_dir: str, kind: str, name: str) -> None:
     torch.set_num_threads(1)
     device = torch.device("cuda:0" if kind == "cuda" else "cpu")
@@ -227,6 +243,7 @@ def lane_main(rank: int, ws: int, ports: list[int], out_dir: str, kind: str, nam
         # (what a lane restart forces), on fresh handles.
         for phase in range(2):
             dev = adaptor()
+            ifnames_before = sorted(v for v in IFNAME_VARS if v in os.environ)
             group = LaneGroup.create(
                 rank,
                 ws,
@@ -240,8 +257,23 @@ def lane_main(rank: int, ws: int, ports: list[int], out_dir: str, kind: str, nam
             errors = run_exchanges(group, 9)
             stats = group.take_exchange_stats()
             link = group.measure()
+            listening = listeners(ports[phase]) if rank == 0 else None
+            mismatch = None
+            if phase == 1:  # lane 0 sends float32, the others as many bytes of int32
+                dtype = torch.float32 if rank == 0 else torch.int32
+                try:
+                    group.all_gather_rows(torch.ones(2, 3, dtype=dtype, device=device), [2] * ws)
+                    mismatch = "no error"
+                except RuntimeError as e:
+                    mismatch = str(e)
+            group.destroy()
+            group.destroy()
             report["phases"].append(
                 {
+                    "listening": listening,
+                    "mismatch": mismatch,
+                    "ifnames": [ifnames_before, sorted(v for v in IFNAME_VARS if v in os.environ)],
+                    "store_dropped": group.exchange._store is None,
                     "backend": group.backend,
                     "generation": group.generation,
                     "errors": errors,
@@ -253,8 +285,6 @@ def lane_main(rank: int, ws: int, ports: list[int], out_dir: str, kind: str, nam
                     "link": link,
                 }
             )
-            group.destroy()
-            group.destroy()
         # Phase 2: lane 1 cannot map its peers: every lane falls back to gloo together.
         dev = FailingOpen(name) if rank == 1 else FakeIpcDevice(name)
         group = LaneGroup.create(
@@ -338,6 +368,44 @@ def test_exchanges_deliver_every_lanes_rows(reports: list[dict]) -> None:
             assert all(p["waits"] > 0 for p in lanes)
         assert all(p["link"]["bytes_per_s"] > 0 for p in lanes)
         assert len({p["generation"] for p in lanes}) == 1
+
+
+def test_a_loopback_group_stays_on_loopback_and_leaves_no_trace(reports: list[dict]) -> None:
+    """Rank 0's store listened on every interface (torch's own listener); the interface
+    variables set for the group stayed set for the process's later groups on other hosts;
+    a destroyed group kept rank 0's store server alive through its exchange."""
+    assert reports[0]["phases"][0]["listening"] == [["tcp", "0100007F"]]  # 127.0.0.1 only
+    for r in reports:
+        for phase in r["phases"][:2]:
+            assert phase["ifnames"][0] == phase["ifnames"][1], phase["ifnames"]
+            assert phase["store_dropped"]
+
+
+def test_lanes_exchanging_different_dtypes_fail_together(reports: list[dict]) -> None:
+    """As many bytes of float32 and of int32 were read as each other's bits."""
+    for r in reports:
+        got = r["phases"][1]["mismatch"]
+        assert "all_gather_rows of float32" in got and "all_gather_rows of int32" in got, got
+
+
+def test_a_destroy_whose_exchange_fails_to_close_still_frees_the_process() -> None:
+    """The default group was left up (the group marked dead first): no later group could
+    start in this process, the lane never rejoined."""
+
+    class FailingClose:
+        stuck = False
+
+        def close(self) -> None:
+            raise RuntimeError("device query failed")
+
+    store = dist.TCPStore(
+        "127.0.0.1", free_port(), 1, is_master=True, timeout=datetime.timedelta(seconds=10)
+    )
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    group = LaneGroup(0, 2, "cuda_ipc", "g", torch.device("cpu"), store, FailingClose())
+    with pytest.raises(RuntimeError, match="device query failed"):
+        group.destroy()
+    assert not dist.is_initialized() and not group.alive
 
 
 def test_rebuild_uses_a_new_generation(reports: list[dict]) -> None:

@@ -15,10 +15,16 @@ through host memory. A ``cuda_ipc`` group whose lanes cannot map each other's me
 visible to each other, no peer access) agrees on a fallback when it is built: an NCCL group
 when the lanes' GPUs differ, else gloo's staging.
 
-Loopback: when ``host`` is a loopback address, ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` /
-``TP_SOCKET_IFNAME`` are set to the loopback interface (unless already set), so the
-collectives' own sockets stay on this machine as the store does; otherwise gloo would bind the
+Loopback: when ``host`` is a loopback address, rank 0's store listens on it only (torch's own
+listener takes every interface), and ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` /
+``TP_SOCKET_IFNAME`` are set to the loopback interface while the group lives (unless already
+set), so the collectives' own sockets stay on this machine too; otherwise gloo would bind the
 interface the hostname resolves to. On any other host they are left alone.
+
+NOTE: every lane calls the same collectives in the same order with the same counts and dtypes
+(the step plan is the same on every lane). ``cuda_ipc`` checks each exchange's op, element
+type and sizes against its peers' and fails every lane on a mismatch; gloo and NCCL trust them
+(gloo aborts the process on a size mismatch).
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ logger = logging.getLogger("cpkv.comm")
 BACKENDS = ("gloo", "nccl", "cuda_ipc")
 
 _GENERATION_KEY = "cpkv/lane_group/generation"
+# TCPStore's libuv backend (the default) takes a listening socket from torch 2.8 on
+# (pytorch/pytorch#150215); before, the store keeps its own listener on every interface.
+_LISTEN_FD_WITH_LIBUV = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
 _IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 # Probe sizes for measure(): a one-element gather for latency, ~1 MiB per rank for bandwidth.
 _PROBE_SMALL_REPS = 8
@@ -86,6 +95,36 @@ def _loopback_ifname() -> str:
         if name == "lo" or name.startswith("lo"):
             return name
     return "lo"
+
+
+def _set_loopback_ifnames() -> list[str]:
+    """Point the collectives' socket interface variables that are unset at the loopback
+    interface; the names set (to unset when the group goes)."""
+    ifname = _loopback_ifname()
+    names = [var for var in _IFNAME_VARS if var not in os.environ]
+    for var in names:
+        os.environ[var] = ifname
+    return names
+
+
+def _unset(names: list[str]) -> None:
+    for var in names:
+        os.environ.pop(var, None)
+
+
+def _listen_fd(host: str, port: int) -> int:
+    """A socket listening on ``host:port`` only, for rank 0's store (its own listener binds
+    every interface, reachable from other machines through the host's outward address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 def _as_list(counts: Sequence[int], world_size: int, what: str) -> list[int]:
@@ -135,6 +174,7 @@ class LaneGroup:
         self._wait = StreamClock()
         self.exchange = exchange
         self._pg = process_group  # None: the default group
+        self._ifnames_set: list[str] = []  # the interface variables create set (unset later)
 
     @classmethod
     def create(
@@ -198,13 +238,43 @@ class LaneGroup:
                 "this process already has a default torch.distributed group; destroy the "
                 "previous LaneGroup (or the other user's group) first"
             )
-        if _is_loopback(host):
-            ifname = _loopback_ifname()
-            for var in _IFNAME_VARS:
-                os.environ.setdefault(var, ifname)
+        loopback = _is_loopback(host)
+        ifnames_set = _set_loopback_ifnames() if loopback else []
+        try:
+            group = cls._create_group(
+                rank, world_size, host, port, backend, timeout_s, device, exchange_device, loopback
+            )
+        except BaseException:
+            _unset(ifnames_set)
+            raise
+        group._ifnames_set = ifnames_set
+        return group
+
+    @classmethod
+    def _create_group(
+        cls,
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        backend: str,
+        timeout_s: float,
+        device: torch.device,
+        exchange_device: Any,
+        loopback: bool,
+    ) -> LaneGroup:
+        """:meth:`create` past its checks: the store, then the backend's group."""
         timeout = timedelta(seconds=timeout_s)
+        own_listener = rank == 0 and loopback and _LISTEN_FD_WITH_LIBUV
+        listen_fd = _listen_fd(host, int(port)) if own_listener else None
         store = dist.TCPStore(
-            host, int(port), world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
+            host,
+            int(port),
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=True,
+            **({} if listen_fd is None else {"master_listen_fd": listen_fd}),
         )
         if rank == 0:
             store.set(_GENERATION_KEY, uuid.uuid4().hex)
@@ -317,15 +387,20 @@ class LaneGroup:
         return self.exchange is not None and self.exchange.stuck
 
     def destroy(self) -> None:
-        """Tear the group down (idempotent); the process can then :meth:`create` a new one."""
+        """Tear the group down (idempotent); the process can then :meth:`create` a new one,
+        even when closing the exchange failed."""
         if not self._alive:
             return
         self._alive = False
-        if self.exchange is not None:
-            self.exchange.close()
-        if self.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-        self._store = None  # rank 0's store server closes with the last reference
+        try:
+            if self.exchange is not None:
+                self.exchange.close()
+        finally:
+            if self.world_size > 1 and dist.is_initialized():
+                dist.destroy_process_group()
+            self._store = None  # rank 0's store server closes with the last reference
+            _unset(self._ifnames_set)
+            self._ifnames_set = []
 
     def __enter__(self) -> LaneGroup:
         return self

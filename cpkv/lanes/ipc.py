@@ -44,6 +44,24 @@ _GRAVEYARD: list[Any] = []
 # How long a teardown waits for this lane's queued device work before keeping its mappings
 # instead (the queued step of a failed exchange drains in milliseconds).
 _CLOSE_GRACE_S = 2.0
+# An exchange's posted op carries its element type: lanes exchanging as many bytes as float32
+# and as int32 are refused, not read as each other's bits (0: a type not listed).
+_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)  # fmt: skip
+_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(_DTYPES)}
+_OP_NAMES = {GATHER: "all_gather_rows", TO_ALL: "all_to_all_rows"}
+
+
+def _op_code(op: int, dtype: torch.dtype) -> int:
+    return op + 16 * _DTYPE_CODES.get(dtype, 0)
+
+
+def _describe(code: int) -> str:
+    op, dtype = code % 16, code // 16
+    name = str(_DTYPES[dtype - 1]).removeprefix("torch.") if 0 < dtype <= len(_DTYPES) else "?"
+    return f"{_OP_NAMES.get(op, f'op {op}')} of {name}"
 
 
 @dataclass(slots=True)
@@ -245,9 +263,9 @@ class IpcExchange:
         got_op, version, start, length = self.board.slot(p, seq, self.rank)
         if got_op != op or length != want:
             raise RuntimeError(
-                f"lane {self.rank}: exchange {seq} mismatch with lane {p}: it posted op {got_op} "
-                f"with {length} bytes for this lane, this lane expected op {op} with {want} "
-                "(the lanes called different collectives)"
+                f"lane {self.rank}: exchange {seq} mismatch with lane {p}: it posted "
+                f"{_describe(got_op)} with {length} bytes for this lane, this lane expected "
+                f"{_describe(op)} with {want} (the lanes called different collectives)"
             )
         peer = self._map(p, version)
         self.adaptor.wait(peer.written[slot], seq)
@@ -292,14 +310,13 @@ class IpcExchange:
         tail = tuple(x.shape[1:])
         row = _row_bytes(x)
         n = counts[self.rank] * row
+        op = _op_code(GATHER, x.dtype)
         seq, slot, offset = self._begin(n)
         if n:
             self._buf[offset : offset + n].copy_(_bytes_view(x))
             self.stats.bytes_written += n
         self.adaptor.record(self._written[slot], seq)
-        self.board.post(
-            seq, GATHER, self._book.version, [0] * self.world_size, [n] * self.world_size
-        )
+        self.board.post(seq, op, self._book.version, [0] * self.world_size, [n] * self.world_size)
         out = x.new_empty((sum(counts), *tail))
         first = 0
         for p, c in enumerate(counts):
@@ -308,7 +325,7 @@ class IpcExchange:
             if p == self.rank:
                 rows.copy_(x)
             else:
-                self._read(p, seq, slot, GATHER, c * row, _bytes_view(rows))
+                self._read(p, seq, slot, op, c * row, _bytes_view(rows))
         self._finish(seq, slot)
         return out
 
@@ -326,8 +343,14 @@ class IpcExchange:
             ``world_size`` tensors ``[recv_counts[r], ...]``.
         """
         send = [s.contiguous() for s in send]
+        if send[self.rank].shape[0] != recv_counts[self.rank]:  # before any peer reads a post
+            raise ValueError(
+                f"all_to_all_rows: sending {send[self.rank].shape[0]} rows to self but "
+                f"expecting {recv_counts[self.rank]}"
+            )
         tail = tuple(send[0].shape[1:])
         row = _row_bytes(send[0])
+        op = _op_code(TO_ALL, send[0].dtype)
         starts, lengths, total = to_all_layout([s.shape[0] * row for s in send], self.rank)
         seq, slot, offset = self._begin(total)
         for q, s in enumerate(send):
@@ -336,19 +359,14 @@ class IpcExchange:
                 self._buf[at : at + lengths[q]].copy_(_bytes_view(s))
                 self.stats.bytes_written += lengths[q]
         self.adaptor.record(self._written[slot], seq)
-        self.board.post(seq, TO_ALL, self._book.version, starts, lengths)
+        self.board.post(seq, op, self._book.version, starts, lengths)
         out = send[0].new_empty((sum(recv_counts), *tail))
         parts = list(out.split(recv_counts))
         for p, part in enumerate(parts):
             if p == self.rank:
-                if send[p].shape[0] != recv_counts[p]:
-                    raise ValueError(
-                        f"all_to_all_rows: sending {send[p].shape[0]} rows to self but "
-                        f"expecting {recv_counts[p]}"
-                    )
                 part.copy_(send[p])
             else:
-                self._read(p, seq, slot, TO_ALL, recv_counts[p] * row, _bytes_view(part))
+                self._read(p, seq, slot, op, recv_counts[p] * row, _bytes_view(part))
         self._finish(seq, slot)
         return parts
 
@@ -390,6 +408,9 @@ class IpcExchange:
         close = getattr(self.adaptor, "close", None)
         if close is not None:
             close()
+        # NOTE: a group kept after its destroy (a traceback, a test) must not keep rank 0's
+        # store server, its sockets and these events alive (a stuck close keeps its own).
+        self._store, self._written, self._consumed = None, [], []
 
 
 def publish_setup_failure(store: Any, prefix: str, rank: int, error: BaseException) -> None:
