@@ -154,19 +154,12 @@ def test_generate_after_a_timed_out_step_resumes_with_that_steps_call_id(monkeyp
     patch_ray(monkeypatch)
     plain_get = ray.get
 
-    # The lanes' result handles are futures here; a repeated call's are their values (the
-    # coordinator resolves the futures it remembered: on Ray they are object refs).
     def get(ref, timeout=None):
-        if isinstance(ref, StepResult):
-            return ref
         return ref.result(timeout) if isinstance(ref, cf.Future) else plain_get(ref, timeout)
 
     def wait(refs, num_returns=1, timeout=None):
-        futures = [r for r in refs if isinstance(r, cf.Future)]
-        done = (
-            cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)[0] if futures else ()
-        )
-        ready = [r for r in refs if r in done or not isinstance(r, cf.Future)][:num_returns]
+        done, _ = cf.wait(refs, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+        ready = [r for r in refs if r in done][:num_returns]
         return ready, [r for r in refs if r not in ready]
 
     monkeypatch.setattr(ray, "get", get)

@@ -6,6 +6,7 @@ steps succeed, fail or never answer are scripted here.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -18,6 +19,7 @@ from cpkv.coordinator.coordinator import Coordinator
 from cpkv.core.reply_cache import DROPPED, ReplyCache, _Runs
 from cpkv.core.steps import StepResult
 from cpkv.errors import (
+    CoordinatorUnavailableError,
     InvalidRequestError,
     KVCapacityWaitError,
     LaneUnavailableError,
@@ -847,3 +849,51 @@ def test_a_decode_step_of_an_unknown_rid_says_so_while_a_lane_is_down():
     for rid in ("r", "never-allocated"):  # freed, and never there
         answer = coord.decode(e, "a", None, [rid], [3])
         assert isinstance(answer, UnknownRequestError) and repr(rid) in str(answer), answer
+
+
+def test_two_lanes_lost_in_one_round_both_come_back_and_stay():
+    """Dropping the first lost lane's requests released their pages on the second, as a move
+    numbered in that lane's new generation: reset empty, it refused the move and was lost
+    again once back, with the request allocated on it meanwhile."""
+    coord, lanes = make()
+    coord.hello("a")
+    ok(coord.allocate_extend(coord.epoch, "a", None, "r", np.arange(1, 33)))  # both lanes
+    lanes.kill(0)
+    lanes.kill(1)
+    coord.heartbeat_once()  # both found lost in the same round: one settle
+    assert coord.wait_recovered(5)
+    coord.stats()
+    ok(coord.allocate_extend(coord.epoch, "a", None, "new", np.arange(100, 132)))
+    time.sleep(0.1)  # the moves go with the heartbeat; a refused one is seen after
+    coord.heartbeat_once()
+    coord.wait_recovered(5)
+    stats = coord.stats()
+    assert [lane for lane, _ in stats["lane_losses"]] == [0, 1], stats["lane_losses"]
+    assert stats["lane_states"] == ["up", "up"] and coord.check()["ok"]
+    ok(coord.allocate_decode(coord.epoch, "a", None, ["new"], [5]))
+
+
+@pytest.mark.parametrize("outcome", ["failed", "done", "running"])
+def test_a_retried_step_gets_the_first_answer_and_leaves_it_as_it_was(outcome):
+    """Lanes whose step handles are futures (the plain transports): a retry resolved the
+    first answer's result futures again (raising the step's error, or waiting for it) and
+    rewrote the first caller's answer."""
+    coord, lanes = make()
+    coord.hello("a")
+    {"failed": lanes.fail, "running": lanes.hold, "done": set()}[outcome].add(1)
+    first = coord.prefill(coord.epoch, "a", "X", "r", np.arange(1, 9))
+    handles = list(first["lanes"])
+    again = coord.prefill(coord.epoch, "a", "X", "r", np.arange(1, 9))
+    assert isinstance(again, dict) and again["lanes"] == handles
+    assert first["lanes"] == handles
+    if outcome == "running":
+        lanes.release(1)
+
+
+def test_a_step_racing_shutdown_is_answered_not_raised():
+    coord, _ = make()
+    coord.hello("a")
+    coord.shutdown()
+    for _ in range(2):  # and its retry
+        out = coord.prefill(coord.epoch, "a", "X", "r", np.arange(1, 9))
+        assert isinstance(out, CoordinatorUnavailableError), out

@@ -34,7 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from cpkv.coordinator.channel import LaneChannel, LaneTransport, StepHandles
+from cpkv.coordinator.channel import (
+    ChannelClosedError,
+    LaneChannel,
+    LaneTransport,
+    StepHandles,
+)
 from cpkv.coordinator.supervisor import DEAD, RESTARTING, UP, LaneSupervisor
 from cpkv.core.allocator import CPAllocator, ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
@@ -485,21 +490,28 @@ class Coordinator:
         answer = self._call(epoch, client_id, call_id, op, decide_and_submit, digest, size)
         if isinstance(answer, dict):
             # The sender submits the steps after the lock is released (a compiled graph
-            # answers them: the lanes' results come back here); the remembered answer (the
-            # same dict) then holds the result handles for a retried call too.
+            # answers them: the lanes' results come back here). NOTE: into a copy: the
+            # remembered answer keeps the sender's handles, which a retried call resolves
+            # again (a plain transport's results are futures too: resolving those waited for
+            # the step, and rewrote the first caller's answer).
             try:
-                answer["lanes"] = [
-                    _result_handle(f.result(timeout=self._timeout_s))
-                    if isinstance(f, (Future, StepHandles))
-                    else f
-                    for f in answer["lanes"]
-                ]
+                answer = {
+                    **answer,
+                    "lanes": [
+                        _result_handle(f.result(timeout=self._timeout_s))
+                        if isinstance(f, (Future, StepHandles))
+                        else f
+                        for f in answer["lanes"]
+                    ],
+                }
             except FutureTimeoutError:
                 return RequestTimeoutError(
                     f"{op}: lanes silent for {self._timeout_s}s; call_id={call_id!r} (pass it "
                     "as call_id= to wait for this step again)",
                     call_id,
                 )
+            except ChannelClosedError as e:  # shut down before its sender sent it
+                return CoordinatorUnavailableError(f"{op}: {e}")
         return answer
 
     def _extend(
@@ -1056,14 +1068,19 @@ class Coordinator:
     def _settle_lanes(self, min_poll_s: float = 0.0) -> None:
         """Fail the requests of every lane the supervisor found lost since the last call
         (lock held; ``min_poll_s``: see :meth:`LaneSupervisor.settle`)."""
-        for lane, why in self._supervisor.settle(min_poll_s):
+        lanes = self._supervisor.settle(min_poll_s)
+        for lane, why in lanes:
             lost = self._core.drop_lane(lane)
             for key in lost:
                 self._forget_request(key)
             self._losses.append((lane, lost))
             logger.warning("lane %d lost (%s): %d requests failed: %s", lane, why, len(lost), lost)
-            self._dispatch("lane_lost")
             # NOTE: leases keep the lost rids until freed: an expiry acknowledges them too.
+        if lanes:
+            # NOTE: once every lost lane is dropped: a lost request's pages on another lost
+            # lane (in its new generation already) are released by its reset, not by a move
+            # that lane, reset empty, would refuse (and be lost again once back).
+            self._dispatch("lane_lost")
 
     def _heartbeat_loop(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
