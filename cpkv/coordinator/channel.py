@@ -220,8 +220,9 @@ class LaneChannel:
             self._waiting[lane].clear()  # the lane starts empty: nothing to move
         with self._pending_lock:
             self._pending = deque(p for p in self._pending if p[0] != lane)
-        if self.compiled:
-            self._transport.lane_reset(lane)
+        lane_reset = getattr(self._transport, "lane_reset", None)
+        if lane_reset is not None:  # a compiled graph to the lane is stale
+            lane_reset(lane)
         return gen
 
     def send_moves(
