@@ -358,17 +358,15 @@ class LaneSupervisor:
                 return
             if self._channel.generation(lane) != gen or row.state != UP or row.lost is not None:
                 return
-        # NOTE: killed before it is recorded lost, so the reset that recovery sends next
-        # reaches the restarted process, not the stuck one.
-        if self._kill is not None:
-            try:
-                self._kill(lane)
-            except Exception:
-                logger.exception("could not kill hung lane %d", lane)
-        with self._lock:
-            row = self._lanes[lane]
-            if self._channel.generation(lane) != gen or row.state != UP or row.lost is not None:
-                return
+            # NOTE: killed before it is recorded lost, so the reset that recovery sends next
+            # reaches the restarted process, not the stuck one; under the lock, so that no
+            # recovery in between has the kill hit the process it brought back (Ray's kill
+            # only sends the request).
+            if self._kill is not None:
+                try:
+                    self._kill(lane)
+                except Exception:
+                    logger.exception("could not kill hung lane %d", lane)
             self.num_hung += 1
             row.lost = f"hung: a heartbeat unanswered for {self._hang_s:.1f}s"
 
