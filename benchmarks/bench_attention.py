@@ -479,7 +479,7 @@ def tma_sweep_candidates(cfg_t, d_only: int | None = None) -> list[tuple[int, ob
         64: [
             # Today's config against the pairs' second exp2 on the FMA pipes, twice in turn
             # (the arms' own spread is a few per cent).
-            *[(64, 128, 1, 4, 2, False, False, True, fma) for _ in range(2) for fma in (False, True)],
+            *[(64, 128, 1, 4, 2, False, False, True, f) for _ in (1, 2) for f in (False, True)],
             (64, 128, 1, 4, 2, True),
             (128, 128, 1, 8, 2, True),
             (128, 64, 1, 4, 2, True),

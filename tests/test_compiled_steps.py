@@ -639,6 +639,86 @@ def test_a_lane_reset_retires_the_graph_and_the_next_step_builds_another(monkeyp
     steps.close()
 
 
+@pytest.mark.parametrize("when", ["behind-a-full-graph", "queued-while-built"])
+def test_a_queued_step_written_to_a_torn_down_graph_sends_its_moves_again(monkeypatch, when):
+    """The graph thread's own write (of a step queued behind a full graph, or while the graph
+    was built) to a graph Ray had torn down answered StepAborted: its moves were taken as
+    delivered."""
+    from ray.exceptions import RayCgraphCapacityExceeded, RayChannelError
+
+    from cpkv.coordinator.channel import StepNotSent
+
+    log: list = []
+    fails = [RayChannelError("Channel closed.")]
+    if when == "behind-a-full-graph":
+        fails.insert(0, RayCgraphCapacityExceeded("10 in flight"))
+    steps = _steps(monkeypatch, [_Graph(log, 2, fail_writes=fails), _Graph(log, 2)])
+    if when == "behind-a-full-graph":
+        steps.start("e")
+        _built(steps)
+    for reply in steps.execute(_packet(1)).result(timeout=10):
+        assert isinstance(reply.error, StepNotSent), reply.error
+    assert steps._num_unwritten == 0
+    assert _values(steps.execute(_packet(2)))[0][1] == "lane 0 step 2"
+    steps.close()
+
+
+def test_a_lane_reset_between_a_build_and_its_write_sends_the_moves_again(monkeypatch):
+    """A reset on the coordinator's thread retired the graph the graph thread had just built
+    for a queued step: the write raised AttributeError and answered StepAborted."""
+    from cpkv.actors import compiled_steps
+    from cpkv.coordinator.channel import StepNotSent
+
+    monkeypatch.setattr(compiled_steps, "ray", _Ray)
+    log: list = []
+    graphs = [_Graph(log, 2) for _ in range(3)]
+    built, reset = threading.Event(), threading.Event()
+
+    class Steps(compiled_steps.CompiledSteps):
+        def _build(self) -> None:
+            with self._write_lock:
+                self._graph = graphs.pop(0)
+            self.num_builds += 1
+            if self.num_builds == 2:  # the build for the queued step: a reset comes now
+                built.set()
+                reset.wait(5)
+
+        def _dead_lanes(self) -> set[int]:
+            return set()
+
+    steps = Steps([None, None], idle_s=60.0)
+    steps.start("e")
+    _built(steps)
+    steps.lane_reset(0)
+    future = steps.execute(_packet(1))  # queued unwritten: the graph thread builds
+    assert built.wait(5)
+    steps.lane_reset(1)
+    reset.set()
+    for reply in future.result(timeout=10):
+        assert isinstance(reply.error, StepNotSent), reply.error
+    assert log == [] and steps._num_unwritten == 0
+    assert _values(steps.execute(_packet(2)))[1][1] == "lane 1 step 2"
+    steps.close()
+
+
+def test_a_graph_retired_after_close_is_torn_down(monkeypatch):
+    log: list = []
+    graph = _Graph(log, 2)
+    steps = _steps(monkeypatch, [graph])
+    steps.start("e")
+    _built(steps)
+    gate = threading.Event()
+    plain_get = _Ray.get
+    monkeypatch.setattr(_Ray, "get", lambda refs, timeout=None: gate.wait(5) and plain_get(refs))
+    future = steps.execute(_packet(1))  # the graph thread reads it while the rest comes
+    steps.close()
+    steps.lane_reset(0)  # a recovery racing the shutdown
+    gate.set()
+    future.result(timeout=5)
+    steps._thread.join(5)
+    assert graph.torn_down and not steps._thread.is_alive()
+
+
 def test_a_compiled_channel_tells_its_transport_of_each_lane_reset(compiled):
     ch, transport = compiled
     assert transport.resets == [0, 1]  # the fixture's first generations

@@ -180,7 +180,9 @@ class CompiledSteps:
                 self._teardown()
                 while not self._queue.empty():  # sent after close(): answered, never run
                     item = self._queue.get()
-                    if isinstance(item, tuple):
+                    if isinstance(item, tuple) and item[0] is _RETIRE:
+                        teardown_quietly(item[1])
+                    elif isinstance(item, tuple):
                         _abort(item[1], len(self._lanes), "the coordinator's lanes graph is closed")
                 return
             if item is _BUILD:
@@ -214,7 +216,12 @@ class CompiledSteps:
             raise
         with self._write_lock:
             self._num_unwritten -= 1  # written or failed: either way no longer pending
-            return self._write(packet), self._graph
+            if self._graph is None:  # retired meanwhile by a lane reset
+                raise _NotWritten("the lanes' graph was retired (a lane reset) before the write")
+            try:
+                return self._write(packet), self._graph
+            except RayChannelError as e:  # torn down with a dead lane: no lane reads it
+                raise _NotWritten(f"{type(e).__name__}: {e}") from e
 
     def _drop_unwritten(self) -> None:
         """One queued step is no longer waiting to be written (it failed first)."""
