@@ -87,9 +87,10 @@ def _contexts(text: str) -> list[int]:
 def _address(text: str) -> str | None:
     """``--address``: ``local`` is the embedded Ray (as no ``--address``), kept on loopback;
     anything else as :func:`cpkv.actors.ray_env.check_address` allows."""
-    if text.strip() == "local":
+    text = text.strip()
+    if text == "local":
         return None
-    if not text.strip():
+    if not text:
         raise argparse.ArgumentTypeError("empty; pass 'auto', ray://host:port or host:port")
     return text
 
