@@ -23,6 +23,10 @@ from cpkv.errors import CPKVError, InvalidRequestError, LaneUnavailableError, Re
 
 __all__ = ["LaneIO", "actor_death"]
 
+# After one lane refused a call, how long the others' answers are awaited for a death to
+# report instead (a dead actor's call fails within milliseconds; the refusal waits no longer).
+_DEATH_GRACE_S = 1.0
+
 
 class LaneIO:
     """K/V reads and writes on the lanes, and lane calls waited for with a timeout.
@@ -124,14 +128,18 @@ class LaneIO:
         ray = self._ray
         if end is None:
             end = time.monotonic() + self._timeout_s
-        out = []
+        out, refusal = [], None
         for r, ref in refs:
             try:
                 # NOTE: one deadline for all: a timeout each, lanes answering late in turn
                 # would hold the caller cp_size times timeout_s.
                 left = max(0.0, end - time.monotonic())
+                if refusal is not None:
+                    left = min(left, _DEATH_GRACE_S)
                 out.append(self._unwrap(ray.get(ref, timeout=left)))
             except ray.exceptions.GetTimeoutError:
+                if refusal is not None:
+                    continue
                 raise RequestTimeoutError(
                     f"{what}: lane {r} silent past the {self._timeout_s}s deadline"
                 ) from None
@@ -140,9 +148,13 @@ class LaneIO:
             except ray.exceptions.RayTaskError as e:
                 # A lane's refusal arrives as Ray's subclass of it, its message behind the
                 # lane's traceback: raise the lane's own error, as the coordinator's arrive.
-                if isinstance(e.cause, CPKVError):
-                    raise e.cause from None
-                raise
+                if not isinstance(e.cause, CPKVError):
+                    raise
+                # NOTE: a refusal may follow another lane's death (the coordinator freed the
+                # lost request's pages here): that death, if among the answers, is the error.
+                refusal = refusal or e.cause
+        if refusal is not None:
+            raise refusal
         return out
 
     def _layer(self, layer: object) -> int:

@@ -135,3 +135,42 @@ def test_a_client_dropped_without_shutdown_frees_its_requests(coordinator):
     while core.stats()["num_requests"]:
         assert time.monotonic() < deadline, "the dropped client's request is still held"
         time.sleep(0.02)
+
+
+@pytest.mark.parametrize("dead", [True, False], ids=["death", "slow"])
+def test_a_refusal_behind_another_lanes_death_reports_the_death(monkeypatch, dead):
+    """A write to both lanes just after lane 1 died: the coordinator freed the lost request's
+    pages on lane 0 first, whose refusal ('on a page that is free') hid lane 1's death (seen
+    in CI). A lane merely slow after a refusal holds it no longer than the grace."""
+    import time
+
+    import ray
+
+    from cpkv.core.layout import PageLayout
+    from cpkv.errors import LaneUnavailableError
+    from cpkv.lane_io import _DEATH_GRACE_S, LaneIO
+    from tests.plain_client import KV
+
+    refused = InvalidRequestError("lane 0: local slot 4 is on a page that is free")
+
+    def get(answer, timeout: float | None = None):
+        if answer == "refused":
+            raise ray.exceptions.RayTaskError("store_kv", "traceback", refused)
+        if dead:
+            raise ray.exceptions.ActorDiedError()
+        time.sleep(timeout)
+        raise ray.exceptions.GetTimeoutError("late")
+
+    def lane_lost(lane: int, what: str, why: str) -> Exception:
+        return LaneUnavailableError(lane, ["r"], why)
+
+    monkeypatch.setattr(ray, "get", get)
+    io = LaneIO(
+        [None] * 2, PageLayout(2, 4), KV, 2 * 32 * 4, 1, 30.0,
+        fence=lambda: None, fence_waiting=lambda: False, refresh_fence=lambda: None,
+        unwrap=lambda x: x, lane_lost=lane_lost,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(LaneUnavailableError if dead else InvalidRequestError):
+        io.wait_lanes([(0, "refused"), (1, "lane 1")], "store_kv")
+    assert time.monotonic() - t0 < _DEATH_GRACE_S + 0.5
