@@ -668,13 +668,16 @@ class CPKVClient:
             check_int("committed_len", committed_len, minimum=0)
         return rid
 
-    def _step_args(self, mode: str | None, probe) -> str:
-        """The step's mode; a step without a probe needs the pool's model."""
+    def _step_args(self, mode: str | None, probe, num_tokens: int) -> str:
+        """The step's mode; a step without a probe needs the pool's model, and a probe is
+        ``(q, k, v)`` of the step's ``num_tokens`` tokens in the pool's K/V shape."""
         mode = check_mode(self.attention_mode if mode is None else mode)
         if probe is None and self.vocab_size is None:
             raise InvalidRequestError(
                 "this pool has no model: connect(..., model=...) to prefill and decode"
             )
+        if probe is not None:
+            _check_probe(probe, num_tokens, self.kv)
         return mode
 
     # ------------------------------------------------------------ allocation
@@ -926,7 +929,7 @@ class CPKVClient:
             check_float("deadline_s", deadline_s)
         greedy = _check_greedy(greedy, probe)
         rid, tokens = self._extend_args(rid, token_ids, cache_salt, step=probe is None)
-        mode = self._step_args(mode, probe)
+        mode = self._step_args(mode, probe, _num_tokens(tokens))
         call_id = self._call_id(call_id)
         try:
             out, call_id = self._step(
@@ -954,7 +957,7 @@ class CPKVClient:
         ``greedy`` as :meth:`prefill`'s."""
         greedy = _check_greedy(greedy, probe)
         checked = self._batch_args(items, cache_salt, "prefill_batch", step=probe is None)
-        mode = self._step_args(mode, probe)
+        mode = self._step_args(mode, probe, sum(_num_tokens(t) for _, t in checked))
         call_id = self._call_id(call_id)
         try:
             out, call_id = self._step(
@@ -1039,7 +1042,7 @@ class CPKVClient:
         rids, toks = self._decode_args(rids, token_ids, step=probe is None)
         if toks is None:
             raise InvalidRequestError("decode needs the token id of every request")
-        mode = self._step_args(mode, probe)
+        mode = self._step_args(mode, probe, len(rids))
         call_id = self._call_id(call_id)
         out, call_id = self._step(
             "decode", rids, toks, mode, probe, sample, call_id=call_id, deadline_s=deadline_s
@@ -1411,6 +1414,38 @@ def _check_lease(lease_s: object) -> float | None:
     if lease_s is not None and not check_float("lease_s", lease_s) > 0:
         raise InvalidRequestError(f"lease_s={lease_s!r} must be > 0 or None")
     return lease_s
+
+
+def _num_tokens(tokens) -> int:
+    """Tokens of a step's checked ids (an array, or a digest of them)."""
+    return int(tokens.num_tokens) if isinstance(tokens, TokenDigest) else len(tokens)
+
+
+def _check_probe(probe, num_tokens: int, kv: KVShape) -> None:
+    """Raise unless ``probe`` is ``(q, k, v)``: floating tensors ``[num_tokens, Hq, D]`` and
+    ``[num_tokens, num_heads, D]`` (``Hq`` a multiple of the pool's ``num_heads``)."""
+    import torch
+
+    if (
+        not isinstance(probe, (tuple, list))
+        or len(probe) != 3
+        or not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in probe)
+    ):
+        raise InvalidRequestError(f"probe must be (q, k, v) floating torch tensors: {probe!r:.80}")
+    q, k, v = probe
+    want = (num_tokens, kv.num_heads, kv.head_dim)
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != want:
+            raise InvalidRequestError(f"probe {name} has shape {tuple(t.shape)}, expected {want}")
+    if (
+        q.ndim != 3
+        or (q.shape[0], q.shape[2]) != (num_tokens, kv.head_dim)
+        or (q.shape[1] % kv.num_heads)
+    ):
+        raise InvalidRequestError(
+            f"probe q has shape {tuple(q.shape)}, expected [{num_tokens}, a multiple of "
+            f"{kv.num_heads}, {kv.head_dim}]"
+        )
 
 
 def _check_greedy(greedy: object, probe: object) -> bool:

@@ -171,6 +171,10 @@ class LaneIO:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise InvalidRequestError(f"{name} must be a torch.Tensor, got {type(t)!r}")
+            if t.layout != torch.strided or t.device.type == "meta":
+                raise InvalidRequestError(f"{name} must be a dense tensor with data, got {t!r:.80}")
+            if t.requires_grad:  # the shard's K/V would join the caller's autograd graph
+                raise InvalidRequestError(f"{name} requires grad: pass {name}.detach()")
             if tuple(t.shape) != want:
                 raise InvalidRequestError(f"{name} has shape {tuple(t.shape)}, expected {want}")
             if t.dtype != dtype:

@@ -444,3 +444,40 @@ def test_the_decision_core_imports_neither_ray_nor_torch():
         check=True,
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_free_with_a_cache_flag_that_is_no_bool_changes_nothing():
+    """It raised numpy's ambiguous truth value after the request was removed: its pages
+    leaked and the rid was unknown; a str cached the pages silently."""
+    a = make()
+    a.allocate_extend("x", np.arange(9))
+    before = a.num_free_pages_per_lane().tolist()
+    for cache in (np.array([1, 0]), "no", 1):
+        with pytest.raises(InvalidRequestError, match="cache="):
+            a.free("x", cache=cache)
+    assert a.has_request("x") and a.num_free_pages_per_lane().tolist() == before
+    a.check_invariants()
+    a.free("x", cache=np.bool_(False))
+    a.check_invariants()
+
+
+def test_a_decode_that_fails_on_one_rid_leaves_every_rid_as_it_was(monkeypatch):
+    from cpkv.core import requests
+
+    a = make()
+    a.allocate_extend("a", np.arange(6))
+    a.allocate_extend("b", np.arange(7))
+    plain = requests.Request.next_chunk
+
+    def next_chunk(self, hasher, tokens):
+        if self.rid == "b":
+            raise ValueError("bad tail")
+        return plain(self, hasher, tokens)
+
+    monkeypatch.setattr(requests.Request, "next_chunk", next_chunk)
+    free = a.num_free_pages_per_lane().tolist()
+    with pytest.raises(ValueError, match="bad tail"):
+        a.allocate_decode(["a", "b"], [7, 7])
+    assert a.request_len("a") == 6 and a.request_len("b") == 7
+    assert a.num_free_pages_per_lane().tolist() == free
+    a.check_invariants()

@@ -109,6 +109,21 @@ LOCAL = [  # rejected on the caller's side, before any actor call
         "-1.0",
     ),
     ("nan prefill deadline", lambda c: c.prefill("n", [1], deadline_s=float("nan")), "nan"),
+    # an adversarial-input review: each was accepted or raised an undocumented error
+    (
+        "masked token ids",  # its checks skipped the masked -5
+        lambda c: c.allocate_extend("n", np.ma.array([1, -5, 3], mask=[0, 1, 0])),
+        "masked",
+    ),
+    ("ragged token ids", lambda c: c.allocate_extend("n", [1, [2, 3]]), "flat"),
+    ("k requires grad", lambda c: c.store_kv([40, 41, 42], K.clone().requires_grad_(), K), "grad"),
+    ("k on meta", lambda c: c.store_kv([40, 41, 42], K.to("meta"), K), "dense"),
+    ("probe not tensors", lambda c: c.prefill("p", [1, 2, 3], probe="garbage"), "probe"),
+    (
+        "probe of other tokens",
+        lambda c: c.prefill("p", [1, 2, 3], probe=(K[:2].repeat(1, 2, 1), K[:2], K[:2])),
+        "probe k",
+    ),
 ]
 REMOTE = [  # need the coordinator's state: one call, answered with the error
     ("unknown rid free", lambda c: c.free("ghost"), "ghost"),

@@ -393,6 +393,13 @@ class CPAllocator:
         reqs = [self._requests.get(rid) for rid in rids]
         for req in reqs:
             self._check_len(req.rid, req.num_tokens, 1)
+        # NOTE: every request's chunk before any request changes: all of them or none.
+        chunks = [
+            req.next_chunk(self._hasher, toks[i : i + 1])
+            if token_ids is not None and req.tail is not None
+            else None
+            for i, req in enumerate(reqs)
+        ]
         needs = [req for req in reqs if req.num_tokens % self.page_size == 0]
         pages = self._capacity.take_pages(
             lambda: self._capacity.rotation_owners(len(needs)), reason="lane_exhausted"
@@ -400,9 +407,8 @@ class CPAllocator:
         for req, page in zip(needs, pages, strict=True):
             req.add_pages(page[None])
         slots = np.empty(len(reqs), dtype=np.int64)
-        for i, req in enumerate(reqs):
-            known = token_ids is not None and req.tail is not None
-            req.advance(1, req.next_chunk(self._hasher, toks[i : i + 1]) if known else None)
+        for i, (req, chunk) in enumerate(zip(reqs, chunks, strict=True)):
+            req.advance(1, chunk)
             slots[i] = req.last_slot(self.page_size)
             req.seq += 1
         self._counters.decode_allocations += 1
@@ -426,6 +432,9 @@ class CPAllocator:
             InvalidRequestError: unknown rid (or freed twice), bad committed_len.
         """
         rid = check_rid(rid)
+        if not isinstance(cache, (bool, np.bool_)):  # before the request is gone
+            raise InvalidRequestError(f"cache={cache!r} must be a bool")
+        cache = bool(cache)
         if committed_len is not None:  # checked for a lost request too: misuse is misuse
             check_int("committed_len", committed_len, minimum=0)
         if self._requests.acknowledge_lost(rid):

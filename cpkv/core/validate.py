@@ -95,10 +95,15 @@ def as_token_array(token_ids: object, *, name: str = "token_ids") -> np.ndarray:
     The one converter of token ids: the core takes what it returns as is. A contiguous
     int64 numpy array comes back itself, not copied.
     """
+    if isinstance(token_ids, np.ma.MaskedArray):  # its checks would skip masked ids
+        raise InvalidRequestError(f"{name} is a masked array: pass the ids themselves")
     if isinstance(token_ids, np.ndarray):
         arr = token_ids
     elif isinstance(token_ids, (Sequence, range)) and not isinstance(token_ids, (str, bytes)):
-        arr = np.asarray(token_ids)
+        try:
+            arr = np.asarray(token_ids)
+        except ValueError as e:  # ragged: [1, [2, 3]]
+            raise InvalidRequestError(f"{name} must be a flat sequence of ints: {e}") from None
     else:
         raise InvalidRequestError(f"{name} must be a sequence of ints, got {type(token_ids)!r}")
     if arr.ndim != 1:

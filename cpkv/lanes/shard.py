@@ -318,9 +318,9 @@ class LaneShard:
         if self._check_access(slots.numpy(), owner, fence, write=True) is NOT_YET:
             return NOT_YET
         dev = self.device
-        kernels.store_kv(
-            k.to(dev).contiguous(),
-            v.to(dev).contiguous(),
+        kernels.store_kv(  # NOTE: detached: the shard never joins a caller's autograd graph
+            k.detach().to(dev).contiguous(),
+            v.detach().to(dev).contiguous(),
             self.k[layer],
             self.v[layer],
             slots.to(dev),
