@@ -132,10 +132,8 @@ class LaneIO:
         for r, ref in refs:
             try:
                 # NOTE: one deadline for all: a timeout each, lanes answering late in turn
-                # would hold the caller cp_size times timeout_s.
+                # would hold the caller cp_size times timeout_s (the grace too).
                 left = max(0.0, end - time.monotonic())
-                if refusal is not None:
-                    left = min(left, _DEATH_GRACE_S)
                 out.append(self._unwrap(ray.get(ref, timeout=left)))
             except ray.exceptions.GetTimeoutError:
                 if refusal is not None:
@@ -152,7 +150,9 @@ class LaneIO:
                     raise
                 # NOTE: a refusal may follow another lane's death (the coordinator freed the
                 # lost request's pages here): that death, if among the answers, is the error.
-                refusal = refusal or e.cause
+                if refusal is None:
+                    refusal = e.cause
+                    end = min(end, time.monotonic() + _DEATH_GRACE_S)
         if refusal is not None:
             raise refusal
         return out

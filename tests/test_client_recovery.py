@@ -137,11 +137,14 @@ def test_a_client_dropped_without_shutdown_frees_its_requests(coordinator):
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("dead", [True, False], ids=["death", "slow"])
-def test_a_refusal_behind_another_lanes_death_reports_the_death(monkeypatch, dead):
+@pytest.mark.parametrize(
+    ("dead", "cp"), [(True, 2), (False, 2), (False, 4)], ids=["death", "slow", "slow-cp4"]
+)
+def test_a_refusal_behind_another_lanes_death_reports_the_death(monkeypatch, dead, cp):
     """A write to both lanes just after lane 1 died: the coordinator freed the lost request's
     pages on lane 0 first, whose refusal ('on a page that is free') hid lane 1's death (seen
-    in CI). A lane merely slow after a refusal holds it no longer than the grace."""
+    in CI). Lanes merely slow after a refusal hold it no longer than one grace, all of them
+    together."""
     import time
 
     import ray
@@ -166,11 +169,11 @@ def test_a_refusal_behind_another_lanes_death_reports_the_death(monkeypatch, dea
 
     monkeypatch.setattr(ray, "get", get)
     io = LaneIO(
-        [None] * 2, PageLayout(2, 4), KV, 2 * 32 * 4, 1, 30.0,
+        [None] * cp, PageLayout(cp, 4), KV, cp * 32 * 4, 1, 30.0,
         fence=lambda: None, fence_waiting=lambda: False, refresh_fence=lambda: None,
         unwrap=lambda x: x, lane_lost=lane_lost,
     )  # fmt: skip
     t0 = time.monotonic()
     with pytest.raises(LaneUnavailableError if dead else InvalidRequestError):
-        io.wait_lanes([(0, "refused"), (1, "lane 1")], "store_kv")
+        io.wait_lanes([(0, "refused")] + [(r, f"lane {r}") for r in range(1, cp)], "store_kv")
     assert time.monotonic() - t0 < _DEATH_GRACE_S + 0.5
