@@ -196,8 +196,18 @@ class CompiledSteps:
             future.set_result(self._run(packet, refs, graph))
 
     def _write(self, packet: StepPacket) -> list:
-        """Write ``packet`` to the graph (write lock held); its answers' refs."""
-        return self._graph.execute(pack(packet))
+        """Write ``packet`` to the graph (write lock held); its answers' refs.
+
+        Raises:
+            _NotWritten: no lane reads it: the graph was retired by a lane reset, or Ray tore
+                it down with a dead lane (a closed channel).
+        """
+        if self._graph is None:
+            raise _NotWritten("the lanes' graph was retired (a lane reset) before the write")
+        try:
+            return self._graph.execute(pack(packet))
+        except RayChannelError as e:
+            raise _NotWritten(f"{type(e).__name__}: {e}") from e
 
     def _write_queued(self, packet: StepPacket) -> tuple[list, object]:
         """Write a step that was queued unwritten, building the graph first if need be
@@ -216,12 +226,7 @@ class CompiledSteps:
             raise
         with self._write_lock:
             self._num_unwritten -= 1  # written or failed: either way no longer pending
-            if self._graph is None:  # retired meanwhile by a lane reset
-                raise _NotWritten("the lanes' graph was retired (a lane reset) before the write")
-            try:
-                return self._write(packet), self._graph
-            except RayChannelError as e:  # torn down with a dead lane: no lane reads it
-                raise _NotWritten(f"{type(e).__name__}: {e}") from e
+            return self._write(packet), self._graph
 
     def _drop_unwritten(self) -> None:
         """One queued step is no longer waiting to be written (it failed first)."""
@@ -236,9 +241,7 @@ class CompiledSteps:
         try:
             if isinstance(refs, _WriteFailed):
                 self._drop_unwritten()
-                if isinstance(refs.error, RayChannelError):  # torn down: no lane reads it
-                    raise _NotWritten(f"{type(refs.error).__name__}: {refs.error}") from refs.error
-                raise refs.error
+                raise refs.error  # a _NotWritten one reached no lane
             if refs is None:
                 graph = self._graph  # what a failed build or write below tears down
                 refs, graph = self._write_queued(packet)

@@ -290,11 +290,11 @@ def _check_demo(parser: argparse.ArgumentParser, cfg) -> None:
     if cfg.num_pages_per_lane is None:
         return
     from cpkv.core.layout import PageLayout
+    from cpkv.tools.demo import lane_pages_for, longest_request
 
-    # As auto_pages_per_lane: the reserved page 0 and a page of unevenness over the lanes.
     layout = PageLayout(cfg.cp_size, cfg.page_size)
-    longest = cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens
-    needed = layout.pages_per_lane_for(layout.pages_for(longest)) + 2
+    longest = longest_request(cfg)
+    needed = lane_pages_for(layout, layout.pages_for(longest))
     if cfg.num_pages_per_lane < needed:
         parser.error(
             f"--pages-per-lane {cfg.num_pages_per_lane}: the longest request ({longest} "

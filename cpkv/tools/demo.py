@@ -43,6 +43,8 @@ __all__ = [
     "DemoResult",
     "Reference",
     "auto_pages_per_lane",
+    "lane_pages_for",
+    "longest_request",
     "rel_err",
     "run",
     "run_demo",
@@ -253,19 +255,28 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
 
 
+def longest_request(cfg: DemoConfig) -> int:
+    """Tokens of ``cfg``'s longest request: the prefix, the longest suffix, the decodes."""
+    return cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens
+
+
+def lane_pages_for(layout: PageLayout, pages: int) -> int:
+    """Pages per lane (reserved page included) that hold ``pages`` over the lanes."""
+    # NOTE: one request's pages are spread within a page of even over the lanes (zigzag
+    # segments, rotation); the +2 keeps the largest request placeable on any lane.
+    return layout.pages_per_lane_for(pages) + 2
+
+
 def auto_pages_per_lane(cfg: DemoConfig) -> int:
     """Pages per lane (reserved page included) for ``cfg``'s workload: the largest request
     fits alone with room to spare, but the workers' requests together do not fit."""
     layout = PageLayout(cfg.cp_size, cfg.page_size)
-    longest = cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens
     mean = cfg.prefix_len + sum(cfg.suffix_lens) / 2 + cfg.decode_tokens
-    biggest = layout.pages_for(longest) + 1
+    biggest = layout.pages_for(longest_request(cfg)) + 1
     total = max(
         math.ceil(1.5 * biggest), math.ceil(0.75 * max(1, cfg.workers) * mean / cfg.page_size)
     )
-    # NOTE: one request's pages are spread within a page of even over the lanes (zigzag
-    # segments, rotation); the +2 keeps the largest request placeable on any lane.
-    return layout.pages_per_lane_for(total) + 2
+    return lane_pages_for(layout, total)
 
 
 class _Serve:
@@ -389,7 +400,7 @@ def run(cfg: DemoConfig, out: Callable[[str], object] = print) -> DemoResult:
         pages = cfg.num_pages_per_lane
         if pages is None:
             pages = auto_pages_per_lane(cfg)
-        longest = cfg.prefix_len + cfg.suffix_lens[1] + cfg.decode_tokens
+        longest = longest_request(cfg)
         client = cpkv.connect(
             cfg.address,
             cp_size=cfg.cp_size,
