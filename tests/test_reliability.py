@@ -210,7 +210,7 @@ def test_a_step_that_cannot_be_sent_fails_its_request_and_sends_its_moves_as_its
     coord, lanes = make()
     ns_a = coord.hello("a")["namespace_id"]
     coord.hello("b")
-    monkeypatch.setattr(coordinator_module, "_worth_sharing", lambda step, cp: True)
+    monkeypatch.setattr(coordinator_module, "worth_sharing", lambda step, cp: True)
     failures = iter([MemoryError("object store full")])
 
     def share(obj):

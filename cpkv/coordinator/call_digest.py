@@ -15,14 +15,49 @@ from typing import Any
 import numpy as np
 
 from cpkv.core.page_hash import TokenDigest
+from cpkv.core.reply_cache import DROPPED, ReplyCache
+from cpkv.errors import InvalidRequestError
 
 __all__ = [
     "args_digest",
     "client_call_number",
     "client_call_streams",
     "items_digest",
+    "repeat_answer",
     "rids_digest",
+    "was_answered",
 ]
+
+
+def was_answered(replies: ReplyCache, key: tuple) -> bool:
+    """Whether the call ``key`` (``(client id, call id)``) was answered: its reply is kept,
+    or was forgotten (a repeat of it is not run again either way)."""
+    return key in replies or replies.is_forgotten(key)
+
+
+def repeat_answer(replies: ReplyCache, key: tuple, op: str, digest: int | None) -> Any:
+    """The answer to a repeat of an answered call (:func:`was_answered`): the first answer
+    when it asks the same thing (``op`` and argument ``digest``), else a refusal."""
+    call_id = key[1]
+    if key not in replies:
+        return InvalidRequestError(
+            f"call_id={call_id!r} was answered before the last "
+            f"{replies.capacity} calls and its answer is no longer kept: it is "
+            "not run again (a retry must come sooner; check the request's state)"
+        )
+    first_op, first_digest = replies.tag(key)
+    if (first_op, first_digest) != (op, digest):
+        return InvalidRequestError(
+            f"call_id={call_id!r} was first a {first_op!r} call with other arguments; "
+            f"a call id names one call (this {op!r} call was not run)"
+        )
+    answer = replies.get(key)
+    if answer is DROPPED:
+        return InvalidRequestError(
+            f"call_id={call_id!r} was answered and took effect; its reply is no longer "
+            "kept (a retry must come sooner)"
+        )
+    return answer
 
 
 def client_call_number(key: tuple) -> tuple[Hashable, int] | None:

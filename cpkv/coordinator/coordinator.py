@@ -10,7 +10,9 @@ coordinator asks it, and takes the lanes it found lost at its next call); a
 :class:`LeaseTable` frees the requests of clients that went silent. Prefill,
 batched prefill and decode are one pipeline (:meth:`Coordinator._run_step`):
 decide, number the page moves, send one :class:`StepRequest` to every lane
-carrying them.
+carrying them (built by :mod:`.step_build`); :class:`InflightSteps` keeps each sent step
+until its lanes answer. :class:`Namespaces` keys the callers' rids for the core, and
+:mod:`.call_digest` tells a retried call from a call id reused for something else.
 
 Answers are values or :class:`cpkv.CPKVError` instances (returned, not raised, so
 they cross Ray as themselves and can be remembered for a retried call).
@@ -24,7 +26,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
@@ -36,7 +38,9 @@ from cpkv.coordinator.call_digest import (
     client_call_number,
     client_call_streams,
     items_digest,
+    repeat_answer,
     rids_digest,
+    was_answered,
 )
 from cpkv.coordinator.channel import (
     ChannelClosedError,
@@ -46,20 +50,21 @@ from cpkv.coordinator.channel import (
 )
 from cpkv.coordinator.inflight import InflightSteps
 from cpkv.coordinator.namespaces import NO_NAMESPACE_ID, Namespaces, for_caller, namespace_of
+from cpkv.coordinator.step_build import (
+    decode_sequences,
+    extend_sequences,
+    step_tokens,
+    worth_sharing,
+)
 from cpkv.coordinator.supervisor import DEAD, RESTARTING, UP, LaneSupervisor
 from cpkv.core.allocator import CPAllocator, ExtendAllocation
 from cpkv.core.config import CPConfig, KVShape
 from cpkv.core.graph_slots import GraphSlots
 from cpkv.core.leases import LeaseTable
 from cpkv.core.page_hash import TokenDigest
-from cpkv.core.reply_cache import DROPPED, ReplyCache
-from cpkv.core.steps import StepRequest, StepSequence, check_mode
-from cpkv.core.validate import (
-    as_token_array,
-    check_int,
-    check_vocab,
-    user_rid,
-)
+from cpkv.core.reply_cache import ReplyCache
+from cpkv.core.steps import StepRequest, check_mode
+from cpkv.core.validate import check_int, user_rid
 from cpkv.errors import (
     CoordinatorUnavailableError,
     CPKVError,
@@ -87,8 +92,6 @@ _CHECK_RETRY_S = 0.02
 # How long shutdown() waits for the heartbeat and the recoveries to end (a heartbeat round
 # waiting on a hung lane is left to its daemon thread).
 _SHUTDOWN_JOIN_S = 1.0
-# Steps at least this large go to the lanes as one object-store copy (see _worth_sharing).
-_SHARE_MIN_BYTES = 64 << 10
 
 
 class Coordinator:
@@ -407,9 +410,7 @@ class Coordinator:
             # NOTE: a repeat of a call that was answered gets that answer from _call, whatever
             # the lanes' state now (a lane_unavailable wait would have it sent again).
             key = (client_id, call_id)
-            answered = call_id is not None and (
-                key in self._replies or self._replies.is_forgotten(key)
-            )
+            answered = call_id is not None and was_answered(self._replies, key)
         group = None if answered else self._ensure_group()
         if isinstance(group, CPKVError):
             # A request the step cannot continue says so before any wait for the lanes.
@@ -429,17 +430,17 @@ class Coordinator:
                     client_id, requests, token_ids, step=True, probe=probe
                 )
                 answer: dict[str, Any] = {"slots": slots}
-                seqs = self._decode_sequences(keys, toks)
+                seqs = decode_sequences(self._core, keys, toks)
             else:
                 allocs, tokens = self._extend(
                     client_id, requests, cache_salt, step=True, probe=probe
                 )
                 answer = {"allocations": for_caller(allocs)}
-                seqs = self._extend_sequences(allocs, tokens)
+                seqs = extend_sequences(self._core, allocs, tokens)
             self._step_count += 1
             step = StepRequest(self._step_count, group, tuple(seqs), mode, probe, sample)
             shared = step
-            if not self._channel.compiled and _worth_sharing(step, self.config.cp_size):
+            if not self._channel.compiled and worth_sharing(step, self.config.cp_size):
                 try:
                     shared = self._share(step)
                 except Exception as e:  # decided, never sent (the object store is full, say)
@@ -499,7 +500,9 @@ class Coordinator:
             for key, tokens in keyed:
                 if isinstance(tokens, TokenDigest):
                     raise InvalidRequestError(f"a step needs token ids, got a digest for {key!r}")
-            keyed = [(key, self._step_tokens(key, tokens, probe)) for key, tokens in keyed]
+            keyed = [
+                (key, step_tokens(key, tokens, probe, self.vocab_size)) for key, tokens in keyed
+            ]
         for key, _ in keyed:
             self._steps.check_not_failed(key)
         allocs = self._core.allocate_extend_batch(keyed, cache_salt=cache_salt)
@@ -518,7 +521,7 @@ class Coordinator:
         if step:
             if token_ids is None and probe is None:
                 raise InvalidRequestError("a decode step needs the token id of every request")
-            token_ids = self._step_tokens(rids, token_ids, probe)
+            token_ids = step_tokens(rids, token_ids, probe, self.vocab_size)
         for key in keys:
             self._steps.check_not_failed(key)
         slots = self._core.allocate_decode(keys, token_ids)
@@ -536,35 +539,6 @@ class Coordinator:
             return 0
         rows = len(answer.get("allocations", ())) or len(answer.get("slots", ()))
         return 4 * rows * (self.vocab_size or 1024)
-
-    def _extend_sequences(
-        self, allocs: list[ExtendAllocation], tokens: Sequence[np.ndarray]
-    ) -> list[StepSequence]:
-        seqs, start = [], 0
-        for alloc, ids in zip(allocs, tokens, strict=True):
-            n = len(ids)
-            # NOTE: a new request's cached prefix is not recomputed: its step starts after it.
-            seqs.append(
-                StepSequence(
-                    alloc.prefix_len,
-                    alloc.extend_len,
-                    self._core.request_pages(alloc.rid),
-                    ids[n - alloc.extend_len :],
-                    alloc.rid,
-                    start + n - alloc.extend_len,
-                )
-            )
-            start += n
-        return seqs
-
-    def _decode_sequences(self, keys: list[Hashable], token_ids) -> list[StepSequence]:
-        ids = np.zeros(len(keys), np.int64) if token_ids is None else token_ids
-        seqs = []
-        for i, key in enumerate(keys):
-            n = self._core.request_len(key)
-            pages = self._core.request_pages(key)
-            seqs.append(StepSequence(n - 1, 1, pages, ids[i : i + 1], key, i))
-        return seqs
 
     def _request_error(self, client_id: str | None, op: str, requests) -> CPKVError | None:
         """What a step's requests answer whatever the lanes' state: lost with a lane
@@ -584,15 +558,6 @@ class Coordinator:
         except CPKVError as e:
             return e
         return None
-
-    def _step_tokens(self, rid, tokens, probe) -> Any:
-        """The second line behind the client's check: ids the model has (a bad id would fail
-        the lanes' embedding, or assert on a GPU, after the pages were decided). Returns them
-        as ``int64`` (no copy when the client sent them so)."""
-        if probe is None and tokens is not None and self.vocab_size is not None:
-            tokens = as_token_array(tokens, name=f"token_ids[{rid!r}]")
-            check_vocab(tokens, self.vocab_size, name=f"token_ids[{rid!r}]")
-        return tokens
 
     def fence(self) -> list[tuple[str | None, int]]:
         """Per lane, the last page move decided: a client's write waits for its lane to get
@@ -823,14 +788,8 @@ class Coordinator:
         with self._lock:
             self._steps.settle()
             key = None if call_id is None else (client_id, call_id)
-            if key is not None and key in self._replies:
-                return self._repeat(key, op, digest, call_id)
-            if key is not None and self._replies.is_forgotten(key):
-                return InvalidRequestError(
-                    f"call_id={call_id!r} was answered before the last "
-                    f"{self._replies.capacity} calls and its answer is no longer kept: it is "
-                    "not run again (a retry must come sooner; check the request's state)"
-                )
+            if key is not None and was_answered(self._replies, key):
+                return repeat_answer(self._replies, key, op, digest)
             lapsed = self._lapse_notice(client_id)
             if lapsed is not None:
                 if key is not None:  # a retry of this call gets the same notice
@@ -847,22 +806,6 @@ class Coordinator:
                 self._replies.put(key, answer, tag=(op, digest), nbytes=nbytes)
         if self._channel.num_pending > _MAX_PENDING_MOVES:
             self._channel.wait_oldest(self._timeout_s)  # back-pressure, without the lock
-        return answer
-
-    def _repeat(self, key: tuple, op: str, digest: int | None, call_id: Hashable) -> Any:
-        """The answer to a repeated call (lock held)."""
-        first_op, first_digest = self._replies.tag(key)
-        if (first_op, first_digest) != (op, digest):
-            return InvalidRequestError(
-                f"call_id={call_id!r} was first a {first_op!r} call with other arguments; "
-                f"a call id names one call (this {op!r} call was not run)"
-            )
-        answer = self._replies.get(key)
-        if answer is DROPPED:
-            return InvalidRequestError(
-                f"call_id={call_id!r} was answered and took effect; its reply is no longer "
-                "kept (a retry must come sooner)"
-            )
         return answer
 
     def _lapse_notice(self, client_id: str | None) -> LeaseExpiredError | None:
@@ -925,20 +868,6 @@ class Coordinator:
                     task()
                 except Exception:
                     logger.exception("%s failed", task.__name__)
-
-
-def _worth_sharing(step: StepRequest, cp_size: int) -> bool:
-    """Whether one object-store copy of ``step`` beats sending it inline to every lane.
-
-    Measured on the 2-core machine: a ``ray.put`` of a small step costs ~1.4 ms in the
-    coordinator, while Ray inlines call arguments under 100 KiB at a few µs per KiB.
-    """
-    if step.probe is not None:
-        return True
-    if cp_size == 1:
-        return False
-    nbytes = sum(8 * s.extend_len + 4 * s.pages.shape[0] for s in step.sequences)
-    return nbytes >= _SHARE_MIN_BYTES
 
 
 def _result_handle(handle: Any) -> Any:
