@@ -176,5 +176,5 @@ def test_generate_after_a_timed_out_step_resumes_with_that_steps_call_id(monkeyp
     assert e.generated == [11, 12]  # the prefill's id and the first decode's
     lanes.release(3)
     assert list(c.decode_greedy(["r"], [e.generated[-1]], call_id=e.call_id)) == [13]
-    held = coordinator.core._core.request_len(coordinator.core._key(c.client_id, "r"))
+    held = coordinator.core._core.request_len(coordinator.core._namespaces.key(c.client_id, "r"))
     assert held == len(prompt) + len(e.generated)  # the last id went in once

@@ -352,9 +352,11 @@ def test_a_lane_found_lost_is_failed_at_the_coordinators_next_call():
     call(coord, "allocate_extend", "a", np.arange(40))  # pages on every lane
     transport.restart(1)
     assert not coord._supervisor.probe(1, 5)
-    assert coord._core.has_request(coord._key("c", "a")) and coord.lane_states()[1] == "up"
+    assert (
+        coord._core.has_request(coord._namespaces.key("c", "a")) and coord.lane_states()[1] == "up"
+    )
     assert coord.stats()["lane_losses"] == [[1, 1]]  # stats() is a call: it settles
-    assert not coord._core.has_request(coord._key("c", "a"))
+    assert not coord._core.has_request(coord._namespaces.key("c", "a"))
     assert coord.wait_recovered(5)
     report = coord.check()
     assert report["ok"], report

@@ -197,7 +197,7 @@ def test_a_freed_requests_failed_step_does_not_fail_the_request_that_reused_its_
     lanes.release(1, fail=True)
     slots = ok(coord.allocate_decode(coord.epoch, "a", None, ["r"], [5]))
     assert len(slots) == 1 and coord.stats()["failed_steps"] == 1
-    assert coord._core.request_len(coord._key("a", "r")) == 9
+    assert coord._core.request_len(coord._namespaces.key("a", "r")) == 9
 
 
 def test_a_step_that_cannot_be_sent_fails_its_request_and_sends_its_moves_as_its_callers(
@@ -210,7 +210,7 @@ def test_a_step_that_cannot_be_sent_fails_its_request_and_sends_its_moves_as_its
     coord, lanes = make()
     ns_a = coord.hello("a")["namespace_id"]
     coord.hello("b")
-    monkeypatch.setattr(coordinator_module, "_worth_sharing", lambda step, cp: True)
+    monkeypatch.setattr(coordinator_module, "worth_sharing", lambda step, cp: True)
     failures = iter([MemoryError("object store full")])
 
     def share(obj):
@@ -226,7 +226,7 @@ def test_a_step_that_cannot_be_sent_fails_its_request_and_sends_its_moves_as_its
         prefill(coord, "a", "r", prompt, call_id=1)
     ok(coord.allocate_extend(coord.epoch, "b", None, "other", np.arange(100, 104)))
     assert coord.check()["ok"]  # every move decided so far applied on the lanes
-    pages = coord._core.request_pages(coord._key("a", "r"))
+    pages = coord._core.request_pages(coord._namespaces.key("a", "r"))
     assert [int(lanes.shards[p % 2]._owner[p // 2]) for p in pages] == [ns_a] * len(pages)
     ok(coord.free(coord.epoch, "a", None, "r", True))
     assert coord.stats()["cached"] == [0, 0]
@@ -246,7 +246,7 @@ def test_a_successful_prefill_is_cached_and_a_failed_decode_is_not_repeated():
     # The retry of the failed decode is refused: its length must not grow twice.
     with pytest.raises(StepFailedError):
         ok(coord.decode(coord.epoch, "a", None, ["r"], np.array([7])))
-    assert coord._core.request_len(coord._key("a", "r")) == 33
+    assert coord._core.request_len(coord._namespaces.key("a", "r")) == 33
     ok(coord.free(coord.epoch, "a", None, "r", True))
     # The prefill's 32 tokens were written: their full pages are cached, the decode's not.
     assert sum(coord.stats()["cached"]) == 8
@@ -284,7 +284,7 @@ def test_misuse_that_skips_the_client_is_answered_as_an_invalid_request():
         assert isinstance(out, InvalidRequestError), out
     lanes.release(1)
     assert coord.stats()["num_requests"] == 1
-    assert coord._core.request_len(coord._key("a", "r")) == 8
+    assert coord._core.request_len(coord._namespaces.key("a", "r")) == 8
 
 
 # --------------------------------------------------------------- safe retries (19.3)
@@ -293,7 +293,7 @@ def test_a_repeated_call_id_takes_effect_once_and_only_for_its_own_call():
     tokens = np.arange(1, 41)
     first = ok(coord.allocate_extend(coord.epoch, "a", 7, "r", tokens))
     again = ok(coord.allocate_extend(coord.epoch, "a", 7, "r", tokens))
-    assert again is first and coord._core.request_len(coord._key("a", "r")) == 40
+    assert again is first and coord._core.request_len(coord._namespaces.key("a", "r")) == 40
     # The same call id with other arguments is refused, not answered with A's allocation.
     other = coord.allocate_extend(coord.epoch, "a", 7, "r", tokens[:5])
     assert isinstance(other, InvalidRequestError) and "call_id=7" in str(other)
@@ -317,7 +317,7 @@ def test_replies_are_bounded_in_bytes_and_a_dropped_reply_is_never_rerun():
     ok(prefill(coord, "a", "r", np.arange(1, 9), call_id=1))
     out = coord.prefill(coord.epoch, "a", 1, "r", np.arange(1, 9))
     assert isinstance(out, InvalidRequestError) and "no longer kept" in str(out)
-    assert coord._core.request_len(coord._key("a", "r")) == 8
+    assert coord._core.request_len(coord._namespaces.key("a", "r")) == 8
 
 
 def test_past_the_count_bound_a_numbered_key_is_known_forgotten_and_a_new_one_is_not():
@@ -362,7 +362,7 @@ def test_a_clients_retry_older_than_the_remembered_calls_is_refused_not_run_agai
         coord.free(coord.epoch, "b", ("b", n), "ghost", False)  # answered (an error)
     late = coord.allocate_extend(coord.epoch, "a", first, "r", np.arange(1, 11))
     assert isinstance(late, InvalidRequestError) and "no longer kept" in str(late)
-    assert coord._core.request_len(coord._key("a", "r")) == 10  # not extended twice
+    assert coord._core.request_len(coord._namespaces.key("a", "r")) == 10  # not extended twice
     # Its retry with token ids (after a stale digest) is numbered alike.
     tokens_id = ("tokens", ("a", 1))
     ok(coord.allocate_extend(coord.epoch, "a", tokens_id, "t", [1]))
@@ -371,7 +371,7 @@ def test_a_clients_retry_older_than_the_remembered_calls_is_refused_not_run_agai
         ok(coord.free(coord.epoch, "a", ("tokens", ("a", n + 1)), "y", False))
     late = coord.allocate_extend(coord.epoch, "a", tokens_id, "t", [1])
     assert isinstance(late, InvalidRequestError)
-    assert coord._core.request_len(coord._key("a", "t")) == 1
+    assert coord._core.request_len(coord._namespaces.key("a", "t")) == 1
     # A client that closed its lease sends nothing more: what was kept of it goes.
     coord.close_lease("a")
     assert not coord._replies.is_forgotten(("a", first))
@@ -415,7 +415,7 @@ def test_two_clients_requests_of_one_name_never_meet():
     ok(coord.allocate_extend(coord.epoch, "b", None, "req-0", np.arange(1, 9)))
     assert coord.stats()["num_requests"] == 2
     ok(coord.free(coord.epoch, "b", None, "req-0", False))
-    assert coord._core.request_len(coord._key("a", "req-0")) == 20
+    assert coord._core.request_len(coord._namespaces.key("a", "req-0")) == 20
     with pytest.raises(InvalidRequestError, match="req-0"):
         ok(coord.free(coord.epoch, "b", None, "req-0", False))
     # Clients of one named namespace share their requests on purpose.
@@ -423,7 +423,7 @@ def test_two_clients_requests_of_one_name_never_meet():
     coord.hello("actor", namespace="job")
     ok(coord.allocate_extend(coord.epoch, "driver", None, "x", np.arange(1, 5)))
     ok(coord.allocate_extend(coord.epoch, "actor", None, "x", np.arange(5, 9)))
-    assert coord._core.request_len(coord._key("driver", "x")) == 8
+    assert coord._core.request_len(coord._namespaces.key("driver", "x")) == 8
 
 
 def test_lanes_let_a_namespace_write_only_its_pages_and_read_cached_ones():
@@ -612,7 +612,7 @@ def test_a_quiet_lease_of_a_live_process_is_kept_and_of_a_stopped_one_lapses():
     assert coord.expire_leases() == 1  # the stopped client's request only
     stats = coord.stats()
     assert stats["leases_kept_alive"] == 1 and stats["num_requests"] == 1
-    assert coord._core.has_request(coord._key("busy", "r"))
+    assert coord._core.has_request(coord._namespaces.key("busy", "r"))
 
 
 # ------------------------------------------------------------------ hung lanes (19.7)
@@ -765,7 +765,7 @@ def test_a_step_retried_while_a_lane_restarts_gets_its_first_answer():
     coord._ensure_group = lambda: _lanes_restarting(coord)
     again = prefill(coord, "a", "r", np.arange(1, 5), call_id="X")
     assert again["allocations"] == first["allocations"]
-    assert coord._core.request_len(coord._key("a", "r")) == 4
+    assert coord._core.request_len(coord._namespaces.key("a", "r")) == 4
     with pytest.raises(KVCapacityWaitError, match="lane_unavailable"):  # a new call waits
         prefill(coord, "a", "r", [5], call_id="Y")
 
@@ -785,7 +785,7 @@ def test_a_step_whose_reply_goes_between_its_check_and_its_call_waits():
     coord._call = evicted_first
     with pytest.raises(KVCapacityWaitError, match="lane_unavailable"):
         prefill(coord, "a", "r", np.arange(1, 5), call_id="X")
-    assert coord._core.request_len(coord._key("a", "r")) == 4
+    assert coord._core.request_len(coord._namespaces.key("a", "r")) == 4
 
 
 def test_a_step_whose_group_was_dropped_meanwhile_waits_and_fails_nothing():
@@ -799,7 +799,7 @@ def test_a_step_whose_group_was_dropped_meanwhile_waits_and_fails_nothing():
     before = coord.stats()
     with pytest.raises(KVCapacityWaitError, match="lane group changed"):
         ok(coord.decode(coord.epoch, "a", None, ["r"], np.array([7])))
-    assert coord.stats()["used"] == before["used"] and not coord._failed
+    assert coord.stats()["used"] == before["used"] and not coord._steps.failed
     coord._group_is_current = lambda group: True
     ok(coord.decode(coord.epoch, "a", None, ["r"], np.array([7])))  # the next one runs
 

@@ -10,7 +10,9 @@ coordinator asks it, and takes the lanes it found lost at its next call); a
 :class:`LeaseTable` frees the requests of clients that went silent. Prefill,
 batched prefill and decode are one pipeline (:meth:`Coordinator._run_step`):
 decide, number the page moves, send one :class:`StepRequest` to every lane
-carrying them.
+carrying them (built by :mod:`.step_build`); :class:`InflightSteps` keeps each sent step
+until its lanes answer. :class:`Namespaces` keys the callers' rids for the core, and
+:mod:`.call_digest` tells a retried call from a call id reused for something else.
 
 Answers are values or :class:`cpkv.CPKVError` instances (returned, not raised, so
 they cross Ray as themselves and can be remembered for a retried call).
@@ -19,26 +21,40 @@ they cross Ray as themselves and can be remembered for a retried call).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import secrets
 import threading
 import time
 import uuid
-import zlib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from cpkv.coordinator.call_digest import (
+    args_digest,
+    client_call_number,
+    client_call_streams,
+    items_digest,
+    repeat_answer,
+    rids_digest,
+    was_answered,
+)
 from cpkv.coordinator.channel import (
     ChannelClosedError,
     LaneChannel,
     LaneTransport,
     StepHandles,
+)
+from cpkv.coordinator.inflight import InflightSteps
+from cpkv.coordinator.namespaces import NO_NAMESPACE_ID, Namespaces, for_caller, namespace_of
+from cpkv.coordinator.step_build import (
+    decode_sequences,
+    extend_sequences,
+    step_tokens,
+    worth_sharing,
 )
 from cpkv.coordinator.supervisor import DEAD, RESTARTING, UP, LaneSupervisor
 from cpkv.core.allocator import CPAllocator, ExtendAllocation
@@ -46,25 +62,15 @@ from cpkv.core.config import CPConfig, KVShape
 from cpkv.core.graph_slots import GraphSlots
 from cpkv.core.leases import LeaseTable
 from cpkv.core.page_hash import TokenDigest
-from cpkv.core.reply_cache import DROPPED, ReplyCache
-from cpkv.core.steps import StepRequest, StepSequence, check_mode
-from cpkv.core.validate import (
-    RequestKey,
-    as_token_array,
-    check_int,
-    check_rid,
-    check_rids,
-    check_vocab,
-    user_rid,
-)
+from cpkv.core.reply_cache import ReplyCache
+from cpkv.core.steps import StepRequest, check_mode
+from cpkv.core.validate import check_int, user_rid
 from cpkv.errors import (
     CoordinatorUnavailableError,
     CPKVError,
     InvalidRequestError,
-    LaneUnavailableError,
     LeaseExpiredError,
     RequestTimeoutError,
-    StepFailedError,
 )
 
 __all__ = ["Coordinator"]
@@ -86,36 +92,6 @@ _CHECK_RETRY_S = 0.02
 # How long shutdown() waits for the heartbeat and the recoveries to end (a heartbeat round
 # waiting on a hung lane is left to its daemon thread).
 _SHUTDOWN_JOIN_S = 1.0
-# Steps at least this large go to the lanes as one object-store copy (see _worth_sharing).
-_SHARE_MIN_BYTES = 64 << 10
-# Namespace id of requests made without a client id (tests, tools); clients get 2, 3, ...
-_NO_NAMESPACE_ID = 1
-
-
-@dataclass(slots=True)
-class _Track:
-    """A request's K/V as its steps on the lanes left it.
-
-    Attributes:
-        written: tokens whose K/V a successful step (or the cached prefix) wrote.
-        inflight: steps of the request dispatched and not yet answered.
-    """
-
-    written: int
-    inflight: int = 0
-
-
-@dataclass(slots=True)
-class _InflightStep:
-    """A step dispatched to every lane whose outcome is not known yet."""
-
-    step_id: int
-    # (request key, its length once the step wrote, the request's track). NOTE: the track
-    # names the request instance: a rid freed and allocated again while this step ran is
-    # another request, which this step's outcome must not touch.
-    lengths: list[tuple[Hashable, int, _Track]]
-    # per lane, the future of (status handle, result handle): a Future or StepHandles
-    handles: list[Future | StepHandles]
 
 
 class Coordinator:
@@ -169,9 +145,7 @@ class Coordinator:
         )
         self._leases = LeaseTable()
         self._graph_slots = GraphSlots(step_graphs)
-        # client id -> namespace; namespace -> the id the lanes know it by.
-        self._namespaces: dict[str, str] = {}
-        self._namespace_ids: dict[str, int] = {}
+        self._namespaces = Namespaces()
         self._transport = transport
         # Steps are numbered in submission order.
         self._step_count = 0
@@ -213,12 +187,10 @@ class Coordinator:
             ``page_hash_key`` (it sends :class:`TokenDigest` s hashed with it), and
             ``step_graph``: whether a client may claim a compiled graph for its steps.
         """
-        ns_id = _NO_NAMESPACE_ID
+        ns_id = NO_NAMESPACE_ID
         if client_id is not None:
-            ns = client_id if namespace is None else str(namespace)
             with self._lock:
-                self._namespaces[client_id] = ns
-                ns_id = self._namespace_id(ns)
+                ns_id = self._namespaces.join(client_id, namespace)
             if lease_s is not None:
                 self._leases.open(client_id, lease_s, self._clock(), holder)
         return {
@@ -239,14 +211,13 @@ class Coordinator:
                 self.config, record_page_moves=True, hash_key=self._hash_key
             )
             self._replies = ReplyCache(
-                _MAX_REMEMBERED_CALLS, _MAX_REMEMBERED_BYTES, numbered=_client_call_number
+                _MAX_REMEMBERED_CALLS, _MAX_REMEMBERED_BYTES, numbered=client_call_number
             )
-            self._tracks: dict[Hashable, _Track] = {}
-            self._failed: dict[Hashable, tuple[str, int]] = {}
-            self._inflight: dict[int, _InflightStep] = {}
+            self._steps = InflightSteps(
+                self._channel, self._core.has_request, self._supervisor.drop_group
+            )
             # (lane, requests lost with it) of every lane lost since the reset.
             self._losses: list[tuple[int, list[Hashable]]] = []
-            self.num_failed_steps = 0
             self._leases.forget_requests()
             self._channel.reset_counters()
             self._supervisor.restart_all(self._core.availability)
@@ -274,7 +245,7 @@ class Coordinator:
         def run():
             return self._extend(client_id, [(rid, tokens)], cache_salt)[0][0]
 
-        digest = _digest("extend", rid, tokens, cache_salt)
+        digest = args_digest("extend", rid, tokens, cache_salt)
         return self._call(epoch, client_id, call_id, "extend", run, digest)
 
     def allocate_extend_batch(
@@ -283,7 +254,7 @@ class Coordinator:
         def run():
             return self._extend(client_id, items, cache_salt)[0]
 
-        digest = _digest("batch", _items_digest(items), cache_salt)
+        digest = args_digest("batch", items_digest(items), cache_salt)
         return self._call(epoch, client_id, call_id, "batch", run, digest)
 
     def allocate_decode(
@@ -292,7 +263,7 @@ class Coordinator:
         def run():
             return self._decode(client_id, rids, token_ids)[0]
 
-        digest = _digest("decode", _rids_digest(rids), token_ids)
+        digest = args_digest("decode", rids_digest(rids), token_ids)
         return self._call(epoch, client_id, call_id, "decode", run, digest)
 
     def free(
@@ -313,8 +284,8 @@ class Coordinator:
         def run():
             if not isinstance(cache, (bool, np.bool_)):
                 raise InvalidRequestError(f"cache={cache!r} must be True or False")
-            key = self._key(client_id, rid)
-            written = self._written_len(key)
+            key = self._namespaces.key(client_id, rid)
+            written = self._steps.written_len(key)
             committed = committed_len
             if committed is not None:  # compared below before the core checks it
                 committed = check_int("committed_len", committed, minimum=0)
@@ -324,11 +295,11 @@ class Coordinator:
                 else:
                     committed = written if committed is None else min(committed, written)
             freed = self._core.free(key, cache, committed)
-            self._forget_request(key)
+            self._steps.forget(key)
             self._leases.release(key)
             return freed
 
-        digest = _digest("free", rid, cache, committed_len)
+        digest = args_digest("free", rid, cache, committed_len)
         return self._call(epoch, client_id, call_id, "free", run, digest)
 
     # ------------------------------------------------------------------ steps
@@ -354,7 +325,9 @@ class Coordinator:
             :class:`cpkv.core.steps.StepResult` behind its handle; or the error (nothing is
             run then).
         """
-        digest = _digest("prefill", rid, tokens, cache_salt, mode, probe is not None, bool(sample))
+        digest = args_digest(
+            "prefill", rid, tokens, cache_salt, mode, probe is not None, bool(sample)
+        )
         return self._run_step(
             epoch, client_id, call_id, "prefill", digest, mode, probe, [(rid, tokens)], cache_salt,
             sample=bool(sample),
@@ -372,8 +345,8 @@ class Coordinator:
         sample: bool = False,
     ) -> Any:
         """:meth:`prefill` of several requests in one step (each with its own owner plan)."""
-        digest = _digest(
-            "prefill_batch", _items_digest(items), cache_salt, mode, probe is not None, bool(sample)
+        digest = args_digest(
+            "prefill_batch", items_digest(items), cache_salt, mode, probe is not None, bool(sample)
         )
         return self._run_step(
             epoch, client_id, call_id, "prefill", digest, mode, probe, items, cache_salt,
@@ -399,7 +372,7 @@ class Coordinator:
         Returns:
             ``{"slots": int64 [len(rids)], "lanes": [handle per lane]}``, or the error.
         """
-        digest = _digest("decode_step", _rids_digest(rids), token_ids, mode, bool(sample))
+        digest = args_digest("decode_step", rids_digest(rids), token_ids, mode, bool(sample))
         return self._run_step(
             epoch, client_id, call_id, "decode", digest, mode, probe, rids, token_ids=token_ids,
             sample=bool(sample),
@@ -433,17 +406,15 @@ class Coordinator:
         except InvalidRequestError as e:
             return e
         with self._lock:
-            self._settle_steps()  # a step that failed since: its group is rebuilt first
+            self._steps.settle()  # a step that failed since: its group is rebuilt first
             # NOTE: a repeat of a call that was answered gets that answer from _call, whatever
             # the lanes' state now (a lane_unavailable wait would have it sent again).
             key = (client_id, call_id)
-            answered = call_id is not None and (
-                key in self._replies or self._replies.is_forgotten(key)
-            )
+            answered = call_id is not None and was_answered(self._replies, key)
         group = None if answered else self._ensure_group()
         if isinstance(group, CPKVError):
             # A request the step cannot continue says so before any wait for the lanes.
-            return self._for_caller(self._request_error(client_id, op, requests)) or group
+            return for_caller(self._request_error(client_id, op, requests)) or group
 
         def decide_and_submit() -> dict:
             if group is None or not self._group_is_current(group):
@@ -459,28 +430,28 @@ class Coordinator:
                     client_id, requests, token_ids, step=True, probe=probe
                 )
                 answer: dict[str, Any] = {"slots": slots}
-                seqs = self._decode_sequences(keys, toks)
+                seqs = decode_sequences(self._core, keys, toks)
             else:
                 allocs, tokens = self._extend(
                     client_id, requests, cache_salt, step=True, probe=probe
                 )
-                answer = {"allocations": self._for_caller(allocs)}
-                seqs = self._extend_sequences(allocs, tokens)
+                answer = {"allocations": for_caller(allocs)}
+                seqs = extend_sequences(self._core, allocs, tokens)
             self._step_count += 1
             step = StepRequest(self._step_count, group, tuple(seqs), mode, probe, sample)
             shared = step
-            if not self._channel.compiled and _worth_sharing(step, self.config.cp_size):
+            if not self._channel.compiled and worth_sharing(step, self.config.cp_size):
                 try:
                     shared = self._share(step)
                 except Exception as e:  # decided, never sent (the object store is full, say)
                     self._dispatch(op, client_id)  # the moves go out as this caller's
-                    raise self._unsent(step, e) from e
+                    raise self._steps.unsent(step, e) from e
             # NOTE: each lane's page moves ride in its step call, applied before the step runs
             # (measured on the 2-core machine: a move's own lane call cost a 16-token prefill
             # ~0.55 ms); numbered only once nothing can fail before the calls queue.
             self._dispatch(op, client_id)
             handles = self._channel.submit_steps(shared)
-            self._track_step(step, handles)
+            self._steps.track(step, handles)
             answer["lanes"] = handles
             return answer
 
@@ -524,19 +495,21 @@ class Coordinator:
         Returns:
             The allocations and the token ids of each item (``int64`` for a step).
         """
-        keyed = self._keyed_items(client_id, items)
+        keyed = self._namespaces.keyed_items(client_id, items)
         if step:
             for key, tokens in keyed:
                 if isinstance(tokens, TokenDigest):
                     raise InvalidRequestError(f"a step needs token ids, got a digest for {key!r}")
-            keyed = [(key, self._step_tokens(key, tokens, probe)) for key, tokens in keyed]
+            keyed = [
+                (key, step_tokens(key, tokens, probe, self.vocab_size)) for key, tokens in keyed
+            ]
         for key, _ in keyed:
-            self._check_not_failed(key)
+            self._steps.check_not_failed(key)
         allocs = self._core.allocate_extend_batch(keyed, cache_salt=cache_salt)
         for a in allocs:
             self._leases.hold(client_id, a.rid)
             if not step:
-                self._client_writes(a.rid)
+                self._steps.client_writes(a.rid)
         return allocs, [tokens for _, tokens in keyed]
 
     def _decode(
@@ -544,20 +517,20 @@ class Coordinator:
     ) -> tuple[np.ndarray, list[Hashable], Any]:
         """Decide one more token for each request (lock held); for a step, its ids are
         checked against the vocabulary. Returns the slots, the requests' keys and the ids."""
-        keys = self._keys(client_id, rids)
+        keys = self._namespaces.keys(client_id, rids)
         if step:
             if token_ids is None and probe is None:
                 raise InvalidRequestError("a decode step needs the token id of every request")
-            token_ids = self._step_tokens(rids, token_ids, probe)
+            token_ids = step_tokens(rids, token_ids, probe, self.vocab_size)
         for key in keys:
-            self._check_not_failed(key)
+            self._steps.check_not_failed(key)
         slots = self._core.allocate_decode(keys, token_ids)
         for key in keys:
             # A client that carries a request on holds it, as one that extended it does:
             # another client's lapse must not free it under a live one.
             self._leases.hold(client_id, key)
             if not step:
-                self._client_writes(key)
+                self._steps.client_writes(key)
         return slots, keys, token_ids
 
     def _step_reply_bytes(self, answer: Any) -> int:
@@ -567,91 +540,6 @@ class Coordinator:
         rows = len(answer.get("allocations", ())) or len(answer.get("slots", ()))
         return 4 * rows * (self.vocab_size or 1024)
 
-    def _extend_sequences(
-        self, allocs: list[ExtendAllocation], tokens: Sequence[np.ndarray]
-    ) -> list[StepSequence]:
-        seqs, start = [], 0
-        for alloc, ids in zip(allocs, tokens, strict=True):
-            n = len(ids)
-            # NOTE: a new request's cached prefix is not recomputed: its step starts after it.
-            seqs.append(
-                StepSequence(
-                    alloc.prefix_len,
-                    alloc.extend_len,
-                    self._core.request_pages(alloc.rid),
-                    ids[n - alloc.extend_len :],
-                    alloc.rid,
-                    start + n - alloc.extend_len,
-                )
-            )
-            start += n
-        return seqs
-
-    def _decode_sequences(self, keys: list[Hashable], token_ids) -> list[StepSequence]:
-        ids = np.zeros(len(keys), np.int64) if token_ids is None else token_ids
-        seqs = []
-        for i, key in enumerate(keys):
-            n = self._core.request_len(key)
-            pages = self._core.request_pages(key)
-            seqs.append(StepSequence(n - 1, 1, pages, ids[i : i + 1], key, i))
-        return seqs
-
-    # ---------------------------------------------------------- step outcomes
-    def _track_step(self, step: StepRequest, handles: list) -> None:
-        """Remember a dispatched step until every lane has answered it (lock held)."""
-        lengths = []
-        for s in step.sequences:
-            track = self._tracks.get(s.rid)
-            if track is None:
-                track = self._tracks[s.rid] = _Track(written=s.prefix_len)
-            track.inflight += 1
-            lengths.append((s.rid, s.seq_len, track))
-        self._inflight[step.step_id] = _InflightStep(step.step_id, lengths, handles)
-
-    def _settle_steps(self) -> None:
-        """Take in the outcome of every step whose lanes have all answered, or one of which
-        failed: a success makes its K/V written, a failure marks its requests failed and
-        the lane group stale (the failing lane left it, and the others too but for a solo
-        step, which they skipped: they leave it when the next is built). NOTE: any lane's
-        failure fails the step, a solo step's too (the death of a lane that skipped it): the
-        client reads every lane's answer and says so to its caller, and the two must agree.
-        Never blocks; lock held."""
-        if not self._inflight:
-            return
-        channel = self._channel
-        for sid in sorted(self._inflight):
-            st = self._inflight[sid]
-            if not all(f.done() for f in st.handles):
-                continue
-            error: BaseException | None = next(
-                (f.exception() for f in st.handles if f.exception() is not None), None
-            )
-            statuses = [] if error is not None else [f.result()[0] for f in st.handles]
-            done = channel.done(statuses) if statuses else []
-            for handle, is_done in zip(statuses, done, strict=True):
-                if is_done and error is None:
-                    try:
-                        channel.outcome(handle, 0.0)
-                    except Exception as e:  # the lane's own error, or its death
-                        error = e
-            if error is None and not all(done):
-                continue
-            del self._inflight[sid]
-            if error is None:
-                for _key, length, track in st.lengths:
-                    track.written = max(track.written, length)
-                    track.inflight -= 1
-                continue
-            self.num_failed_steps += 1
-            self._supervisor.drop_group()  # the failing lane left the group: build a new one
-            detail = f"step {sid} failed: {type(error).__name__}: {str(error)[:300]}"
-            logger.warning("%s; its requests are marked failed", detail)
-            for key, _length, track in st.lengths:
-                if self._tracks.get(key) is track:  # not freed (nor its rid reused) since
-                    del self._tracks[key]
-                    if self._core.has_request(key):
-                        self._failed[key] = (detail, track.written)
-
     def _request_error(self, client_id: str | None, op: str, requests) -> CPKVError | None:
         """What a step's requests answer whatever the lanes' state: lost with a lane
         (LaneUnavailableError), failed (StepFailedError), unknown (a decode's rid:
@@ -659,85 +547,17 @@ class Coordinator:
         try:
             with self._lock:
                 if op == "decode":
-                    keys = self._keys(client_id, requests)
+                    keys = self._namespaces.keys(client_id, requests)
                 else:
-                    keys = [key for key, _ in self._keyed_items(client_id, requests)]
+                    keys = [key for key, _ in self._namespaces.keyed_items(client_id, requests)]
                 for key in keys:
-                    self._check_not_failed(key)
+                    self._steps.check_not_failed(key)
                     self._core.check_not_lost(key)
                     if op == "decode":
                         self._core.request_len(key)  # an unknown rid says so, not "wait"
         except CPKVError as e:
             return e
         return None
-
-    def _check_not_failed(self, key: Hashable) -> None:
-        failed = self._failed.get(key)
-        if failed is not None:
-            raise StepFailedError(user_rid(key), failed[0])
-
-    def _written_len(self, key: Hashable) -> int | None:
-        """Tokens of ``key`` whose K/V is known written; ``None`` when nothing limits it."""
-        failed = self._failed.get(key)
-        if failed is not None:
-            return failed[1]
-        track = self._tracks.get(key)
-        if track is not None and track.inflight:
-            return track.written
-        return None
-
-    def _client_writes(self, key: Hashable) -> None:
-        """A plain allocation: the client writes this K/V itself (nothing to wait for)."""
-        track = self._tracks.get(key)
-        if track is not None and not track.inflight:
-            del self._tracks[key]
-
-    def _forget_request(self, key: Hashable) -> None:
-        self._tracks.pop(key, None)
-        self._failed.pop(key, None)
-
-    def _step_tokens(self, rid, tokens, probe) -> Any:
-        """The second line behind the client's check: ids the model has (a bad id would fail
-        the lanes' embedding, or assert on a GPU, after the pages were decided). Returns them
-        as ``int64`` (no copy when the client sent them so)."""
-        if probe is None and tokens is not None and self.vocab_size is not None:
-            tokens = as_token_array(tokens, name=f"token_ids[{rid!r}]")
-            check_vocab(tokens, self.vocab_size, name=f"token_ids[{rid!r}]")
-        return tokens
-
-    # ------------------------------------------------------------- namespaces
-    def _namespace_id(self, ns: str) -> int:
-        """Lock held."""
-        ns_id = self._namespace_ids.get(ns)
-        if ns_id is None:
-            ns_id = self._namespace_ids[ns] = len(self._namespace_ids) + _NO_NAMESPACE_ID + 1
-        return ns_id
-
-    def _namespace(self, client_id: str | None) -> str | None:
-        if client_id is None:
-            return None
-        return self._namespaces.get(client_id, client_id)
-
-    def _key(self, client_id: str | None, rid) -> Hashable:
-        """The core's key of the caller's ``rid``: its id inside the caller's namespace."""
-        rid = check_rid(rid)
-        ns = self._namespace(client_id)
-        return rid if ns is None else RequestKey(ns, rid)
-
-    def _keys(self, client_id: str | None, rids) -> list[Hashable]:
-        return [self._key(client_id, rid) for rid in check_rids(rids)]
-
-    def _keyed_items(self, client_id: str | None, items) -> list[tuple[Hashable, Any]]:
-        if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
-            raise InvalidRequestError(f"a batch is a list of (rid, tokens), got {items!r:.60}")
-        for i, item in enumerate(items):
-            if not isinstance(item, (list, tuple)) or len(item) != 2:
-                raise InvalidRequestError(f"batch item {i} = {item!r:.60} is not (rid, tokens)")
-        return [(self._key(client_id, rid), tokens) for rid, tokens in items]
-
-    def _owner_id(self, client_id: str | None) -> int:
-        ns = self._namespace(client_id)
-        return _NO_NAMESPACE_ID if ns is None else self._namespace_id(ns)
 
     def fence(self) -> list[tuple[str | None, int]]:
         """Per lane, the last page move decided: a client's write waits for its lane to get
@@ -751,17 +571,6 @@ class Coordinator:
         with self._lock:
             self._channel.flush()
             return self._channel.fence()
-
-    def _unsent(self, step: StepRequest, error: BaseException) -> StepFailedError:
-        """A decided step that could not be sent: its requests are failed as far as their
-        K/V was written before it (lock held); the error to answer."""
-        detail = f"step {step.step_id} could not be sent: {type(error).__name__}: {error}"
-        logger.warning("%s; its requests are marked failed", detail)
-        for s in step.sequences:
-            track = self._tracks.get(s.rid)
-            self._failed[s.rid] = (detail, s.prefix_len if track is None else track.written)
-        rids = [user_rid(s.rid) for s in step.sequences]
-        return StepFailedError(rids[0] if len(rids) == 1 else tuple(rids), detail)
 
     def _share(self, obj: Any) -> Any:
         share = getattr(self._transport, "share", None)
@@ -798,7 +607,7 @@ class Coordinator:
             rids = self._leases.close(client_id)
             self._free_quietly(rids)
             self._dispatch("lease")
-            for stream in _client_call_streams(client_id):  # it sends no call after this
+            for stream in client_call_streams(client_id):  # it sends no call after this
                 self._replies.forget_stream(stream)
             return len(rids)
 
@@ -849,15 +658,15 @@ class Coordinator:
         self._supervisor.probe(lane, self._timeout_s)
         with self._lock:
             self._settle_lanes()
-            ns = self._namespace(client_id)
-            return [user_rid(k) for k in self._core.lost_rids(lane) if _namespace_of(k) == ns]
+            ns = self._namespaces.namespace(client_id)
+            return [user_rid(k) for k in self._core.lost_rids(lane) if namespace_of(k) == ns]
 
     # ---------------------------------------------------------------- status
     def stats(self) -> dict:
         """Per-lane counts, counters and lane health; never waits for a lane."""
         with self._lock:
             self._settle_lanes()
-            self._settle_steps()  # a step answered since the last call counts (never blocks)
+            self._steps.settle()  # a step answered since the last call counts (never blocks)
             states = self._supervisor.states()
             out = self._core.stats()
             out["epoch"] = self.epoch
@@ -879,8 +688,8 @@ class Coordinator:
             out["leases_expired"] = self._leases.num_expired_requests
             out["leases_lapsed"] = self._leases.num_expired_leases
             out["leases_kept_alive"] = self._leases.num_kept_alive
-            out["failed_steps"] = self.num_failed_steps
-            out["steps_in_flight"] = len(self._inflight)
+            out["failed_steps"] = self._steps.num_failed_steps
+            out["steps_in_flight"] = len(self._steps)
             out["hung_lanes"] = self._supervisor.num_hung
             out["step_graphs"] = self._graph_slots.num_held
             out["step_graphs_lost"] = self._graph_slots.num_lost
@@ -947,6 +756,11 @@ class Coordinator:
     def lane_states(self) -> list[str]:
         return self._supervisor.states()
 
+    @property
+    def num_failed_steps(self) -> int:
+        """Steps that failed since the last reset."""
+        return self._steps.num_failed_steps
+
     # ------------------------------------------------------------- internals
     def _restarted(self, epoch: str) -> CoordinatorUnavailableError:
         return CoordinatorUnavailableError(
@@ -972,16 +786,10 @@ class Coordinator:
         if epoch != self.epoch:
             return self._restarted(epoch)
         with self._lock:
-            self._settle_steps()
+            self._steps.settle()
             key = None if call_id is None else (client_id, call_id)
-            if key is not None and key in self._replies:
-                return self._repeat(key, op, digest, call_id)
-            if key is not None and self._replies.is_forgotten(key):
-                return InvalidRequestError(
-                    f"call_id={call_id!r} was answered before the last "
-                    f"{self._replies.capacity} calls and its answer is no longer kept: it is "
-                    "not run again (a retry must come sooner; check the request's state)"
-                )
+            if key is not None and was_answered(self._replies, key):
+                return repeat_answer(self._replies, key, op, digest)
             lapsed = self._lapse_notice(client_id)
             if lapsed is not None:
                 if key is not None:  # a retry of this call gets the same notice
@@ -989,44 +797,15 @@ class Coordinator:
                 return lapsed
             self._settle_lanes(_MOVE_POLL_S)
             try:
-                answer = self._for_caller(run())
+                answer = for_caller(run())
             except CPKVError as e:
-                answer = self._for_caller(e)
+                answer = for_caller(e)
             self._dispatch(op, client_id)
             if key is not None:
                 nbytes = size(answer) if size is not None else 0
                 self._replies.put(key, answer, tag=(op, digest), nbytes=nbytes)
         if self._channel.num_pending > _MAX_PENDING_MOVES:
             self._channel.wait_oldest(self._timeout_s)  # back-pressure, without the lock
-        return answer
-
-    def _repeat(self, key: tuple, op: str, digest: int | None, call_id: Hashable) -> Any:
-        """The answer to a repeated call (lock held)."""
-        first_op, first_digest = self._replies.tag(key)
-        if (first_op, first_digest) != (op, digest):
-            return InvalidRequestError(
-                f"call_id={call_id!r} was first a {first_op!r} call with other arguments; "
-                f"a call id names one call (this {op!r} call was not run)"
-            )
-        answer = self._replies.get(key)
-        if answer is DROPPED:
-            return InvalidRequestError(
-                f"call_id={call_id!r} was answered and took effect; its reply is no longer "
-                "kept (a retry must come sooner)"
-            )
-        return answer
-
-    def _for_caller(self, answer: Any) -> Any:
-        """The answer as the caller names its requests (its ids, not the namespaced keys)."""
-        if isinstance(answer, ExtendAllocation) and isinstance(answer.rid, RequestKey):
-            return dataclasses.replace(answer, rid=answer.rid.rid)
-        if isinstance(answer, list) and answer and isinstance(answer[0], ExtendAllocation):
-            return [self._for_caller(a) for a in answer]
-        if isinstance(answer, LaneUnavailableError):
-            rids = [user_rid(k) for k in answer.rids]
-            return LaneUnavailableError(answer.lane, rids, answer.detail)
-        if isinstance(answer, LeaseExpiredError):
-            return LeaseExpiredError([user_rid(k) for k in answer.rids])
         return answer
 
     def _lapse_notice(self, client_id: str | None) -> LeaseExpiredError | None:
@@ -1047,7 +826,7 @@ class Coordinator:
     def _free_quietly(self, rids: list[Hashable]) -> None:
         for rid in rids:
             self._leases.release(rid)
-            self._forget_request(rid)
+            self._steps.forget(rid)
             with contextlib.suppress(CPKVError):  # freed meanwhile
                 self._core.free(rid, cache=False)
 
@@ -1056,7 +835,7 @@ class Coordinator:
         with the lane's next step, or on their own soon after); pages taken belong to the
         caller's namespace."""
         cached = self._core.drain_cached_pages()
-        owner = self._owner_id(client_id)
+        owner = self._namespaces.owner_id(client_id)
         for r, (taken, released) in enumerate(self._core.drain_page_moves()):
             if taken.size or released.size or cached[r].size:
                 self._channel.send_moves(r, taken, released, op, owner, cached[r])
@@ -1072,7 +851,7 @@ class Coordinator:
         for lane, why in lanes:
             lost = self._core.drop_lane(lane)
             for key in lost:
-                self._forget_request(key)
+                self._steps.forget(key)
             self._losses.append((lane, lost))
             logger.warning("lane %d lost (%s): %d requests failed: %s", lane, why, len(lost), lost)
             # NOTE: leases keep the lost rids until freed: an expiry acknowledges them too.
@@ -1091,96 +870,9 @@ class Coordinator:
                     logger.exception("%s failed", task.__name__)
 
 
-def _worth_sharing(step: StepRequest, cp_size: int) -> bool:
-    """Whether one object-store copy of ``step`` beats sending it inline to every lane.
-
-    Measured on the 2-core machine: a ``ray.put`` of a small step costs ~1.4 ms in the
-    coordinator, while Ray inlines call arguments under 100 KiB at a few µs per KiB.
-    """
-    if step.probe is not None:
-        return True
-    if cp_size == 1:
-        return False
-    nbytes = sum(8 * s.extend_len + 4 * s.pages.shape[0] for s in step.sequences)
-    return nbytes >= _SHARE_MIN_BYTES
-
-
-def _client_call_number(key: tuple) -> tuple[Hashable, int] | None:
-    """A client's own call ids, ``(client id, n)`` with ``n`` counting up (and its retry
-    with token ids, ``("tokens", that)``), as ``(stream, n)``; ``None`` for any other id.
-    NOTE: so a retry of such a call is never run twice, however late it comes."""
-    client_id, call_id = key
-    stream, tokens_stream = _client_call_streams(client_id)
-    if type(call_id) is tuple and len(call_id) == 2 and call_id[0] == "tokens":
-        stream, call_id = tokens_stream, call_id[1]
-    if (
-        type(call_id) is tuple
-        and len(call_id) == 2
-        and call_id[0] == client_id
-        and type(call_id[1]) is int
-    ):
-        return stream, call_id[1]
-    return None
-
-
-def _client_call_streams(client_id: str | None) -> tuple[tuple, tuple]:
-    return (client_id,), (client_id, "tokens")
-
-
-def _namespace_of(key: Hashable) -> str | None:
-    return key.namespace if isinstance(key, RequestKey) else None
-
-
 def _result_handle(handle: Any) -> Any:
     """A lane step gives ``(status, result)`` handles: the client reads the result."""
     return handle[1] if isinstance(handle, (list, tuple)) else handle
-
-
-def _digest(*parts: Any, crc: int = 0) -> int:
-    """A cheap fingerprint of a call's arguments: a call id repeated with other arguments is
-    a client bug to refuse, not a retry (CRC32 of the token bytes: 0.1 ms for 128k ids)."""
-    for part in parts:
-        if isinstance(part, TokenDigest):
-            crc = _digest(part.num_tokens, part.offset, part.head, part.tail, crc=crc)
-            crc = zlib.crc32(part.contents.data, crc)
-        elif isinstance(part, np.ndarray) or (
-            isinstance(part, (list, tuple, range))
-            and len(part)
-            and isinstance(part[0], (int, np.integer))
-        ):
-            crc = _array_digest(part, crc)
-        elif isinstance(part, np.integer):  # a rid the core keys as the int it equals
-            crc = zlib.crc32(repr(int(part)).encode(), crc)
-        else:
-            crc = zlib.crc32(repr(part).encode(), crc)
-    return crc
-
-
-def _array_digest(part: Any, crc: int) -> int:
-    """Integer ids by their int64 values (so ids sent as int32 or int64, list or array, match
-    on a retry); anything else by its dtype, shape and bytes, so that float "ids" never
-    match the integers they would truncate to."""
-    try:
-        arr = np.ascontiguousarray(part)
-    except (OverflowError, TypeError, ValueError):  # not ids: the call refuses them
-        return zlib.crc32(repr(part).encode(), crc)
-    if arr.dtype.kind in "iu":
-        return zlib.crc32(arr.astype(np.int64, copy=False).data, crc)
-    if arr.dtype.hasobject:
-        return zlib.crc32(repr(part).encode(), crc)
-    crc = zlib.crc32(f"{arr.dtype.str}{arr.shape}".encode(), crc)
-    return zlib.crc32(arr.data, crc)
-
-
-def _items_digest(items: Any) -> int:
-    try:
-        return _digest(*(x for item in items for x in item))
-    except TypeError:
-        return _digest(repr(items))
-
-
-def _rids_digest(rids: Any) -> int:
-    return _digest(repr(list(rids)) if isinstance(rids, (list, tuple)) else repr(rids))
 
 
 def _safe_probe(probe: Callable[[dict], bool | None], holder: dict) -> bool | None:
