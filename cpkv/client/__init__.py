@@ -8,7 +8,8 @@ client.shutdown()
 """
 
 from cpkv.client._client import CPKVClient
-from cpkv.client._connect import DEFAULT_NAME, connect
+from cpkv.client._connect import DEFAULT_NAME as DEFAULT_NAME  # the default pool name
+from cpkv.client._connect import connect
 from cpkv.results import PrefillResult
 
-__all__ = ["DEFAULT_NAME", "CPKVClient", "PrefillResult", "connect"]
+__all__ = ["CPKVClient", "PrefillResult", "connect"]
