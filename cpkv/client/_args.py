@@ -55,7 +55,9 @@ class RequestChecks:
             )
         return tokens
 
-    def extend(self, rid, token_ids, cache_salt, *, step: bool = False):
+    def extend(
+        self, rid, token_ids, cache_salt, *, step: bool = False
+    ) -> tuple[Hashable, np.ndarray]:
         """Validate an extend's arguments on the caller's side (before any actor call);
         a step's token ids are also checked against the model's vocabulary."""
         rid = check_rid(rid)

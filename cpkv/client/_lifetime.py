@@ -62,6 +62,7 @@ class LeaseKeeper:
                 logger.debug("lease renewal failed", exc_info=True)
 
     def stop(self) -> None:
+        """Renew no more (the thread ends within a third of the lease)."""
         self._stop.set()
 
 
