@@ -225,11 +225,11 @@ def test_bad_strategy_and_mismatched_lane_count(make_client):
 
 
 def test_generate_takes_one_stop_token_or_several():
-    from cpkv.client import _stop_tokens
+    from cpkv.client._args import stop_tokens
 
-    assert _stop_tokens(None) == frozenset()
-    assert _stop_tokens(7) == _stop_tokens(np.int64(7)) == {7}
-    assert _stop_tokens([1, 2]) == _stop_tokens(np.array([1, 2])) == {1, 2}  # config's lists
+    assert stop_tokens(None) == frozenset()
+    assert stop_tokens(7) == stop_tokens(np.int64(7)) == {7}
+    assert stop_tokens([1, 2]) == stop_tokens(np.array([1, 2])) == {1, 2}  # config's lists
     for bad in ("7", [True], [-1], 2.0):
         with pytest.raises(InvalidRequestError, match="eos_token_id"):
-            _stop_tokens(bad)
+            stop_tokens(bad)

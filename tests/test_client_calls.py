@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-import cpkv.client as client_module
+import cpkv.client._backoff as backoff_module
 from cpkv.errors import CoordinatorUnavailableError, InvalidRequestError, KVCapacityWaitError
 from cpkv.results import PrefillResult
 from tests.plain_client import PlainCoordinator, patch_ray, plain_client
@@ -50,7 +50,7 @@ def short_pool(coordinator, monkeypatch):
     clock = types.SimpleNamespace(
         monotonic=time.monotonic, sleep=lambda s: (sleeps.append(s), time.sleep(s))
     )
-    monkeypatch.setattr(client_module, "time", clock)
+    monkeypatch.setattr(backoff_module, "time", clock)
     return c, sleeps
 
 

@@ -58,10 +58,10 @@ def test_a_step_that_fails_on_one_lane_fails_on_all_at_once_and_poisons_nothing(
     """A probe one row short fails the lane that owns the last token while its peer waits
     in the exchange: the peer must fail at once (not at the 30 s collective timeout), the
     request is failed, its pages never cached, and the next step runs on a new group."""
-    import cpkv.client
+    import cpkv.client._args
 
     # NOTE: the client refuses such a probe itself; let it through to fail on a lane.
-    monkeypatch.setattr(cpkv.client, "_check_probe", lambda *args: None)
+    monkeypatch.setattr(cpkv.client._args, "check_probe", lambda *args: None)
     c = make_client(cp_size=2)
     hq, hkv, d = 4, DEFAULTS["num_heads"], DEFAULTS["head_dim"]
     n = 16
