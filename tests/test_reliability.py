@@ -897,3 +897,38 @@ def test_a_step_racing_shutdown_is_answered_not_raised():
     for _ in range(2):  # and its retry
         out = coord.prefill(coord.epoch, "a", "X", "r", np.arange(1, 9))
         assert isinstance(out, CoordinatorUnavailableError), out
+
+
+def test_a_closed_client_and_its_empty_namespace_are_forgotten():
+    """A coordinator outlives many short clients (a Ray task per request): each closed one
+    is forgotten, and its namespace's id once nothing lives in it; a namespace another client
+    or a request still uses keeps its id, and a forgotten one that comes back gets a new id."""
+    coord, lanes = make()
+    first = coord.hello("c0", lease_s=60)["namespace_id"]
+    coord.close_lease("c0")
+    for i in range(1, 50):
+        coord.hello(f"c{i}", lease_s=60)
+        ok(coord.allocate_extend(coord.epoch, f"c{i}", None, "r", np.arange(1, 9)))
+        coord.close_lease(f"c{i}")
+    assert not coord._namespaces._of_client and not coord._namespaces._ids
+    assert coord.check()["ok"] and coord._core.num_requests == 0
+
+    shared = coord.hello("a", lease_s=60, namespace="job")["namespace_id"]
+    assert shared > first  # never reused
+    coord.hello("b", lease_s=60, namespace="job")
+    ok(coord.allocate_extend(coord.epoch, "a", None, "r", np.arange(1, 9)))
+    coord.close_lease("a")  # "b" is still in "job"
+    assert coord.hello("b", lease_s=60, namespace="job")["namespace_id"] == shared
+    ok(coord.allocate_extend(coord.epoch, "b", None, "r", np.arange(1, 13)))  # a's request
+    coord.hello("nolease", namespace="solo")  # no lease: its request outlives its close
+    ok(coord.allocate_extend(coord.epoch, "nolease", None, "s", np.arange(1, 9)))
+    solo = coord.hello("nolease", namespace="solo")["namespace_id"]
+    coord.close_lease("nolease")
+    assert coord.hello("again", namespace="solo")["namespace_id"] == solo  # "s" lives in it
+    pages = coord._core.request_pages(coord._namespaces.key("again", "s"))
+    assert coord.check()["ok"]  # the moves applied
+    assert [int(lanes.shards[p % 2]._owner[p // 2]) for p in pages] == [solo] * len(pages)
+    coord.close_lease("b")
+    assert list(coord._namespaces._ids) == ["solo"]
+    assert coord.hello("b2", namespace="job")["namespace_id"] > solo
+    assert coord.check()["ok"]

@@ -609,6 +609,11 @@ class Coordinator:
             self._dispatch("lease")
             for stream in client_call_streams(client_id):  # it sends no call after this
                 self._replies.forget_stream(stream)
+            left = self._namespaces.leave(client_id)
+            if left is not None and not any(
+                namespace_of(key) == left for key in self._core.request_ids()
+            ):
+                self._namespaces.drop(left)
             return len(rids)
 
     def expire_leases(self) -> int:

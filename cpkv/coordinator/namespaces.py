@@ -25,22 +25,53 @@ NO_NAMESPACE_ID = 1
 
 
 class Namespaces:
-    """Client id -> namespace, and namespace -> the id the lanes know it by."""
+    """Client id -> namespace, and namespace -> the id the lanes know it by.
+
+    A client is forgotten when it closes (:meth:`leave`), and a namespace's id once no client
+    and no request is left in it (:meth:`drop`): a coordinator outlives many short clients.
+    NOTE: ids are never reused (a forgotten namespace that comes back gets a new one), so a
+    page a lane still records under an old id is never taken for another namespace's.
+    """
 
     def __init__(self) -> None:
         self._of_client: dict[str, str] = {}
         self._ids: dict[str, int] = {}
+        self._num_clients: dict[str, int] = {}
+        self._next_id = NO_NAMESPACE_ID + 1
 
     def join(self, client_id: str, namespace: str | None) -> int:
         """Put ``client_id``'s rids in ``namespace`` (default: one of its own); its id."""
         ns = client_id if namespace is None else str(namespace)
-        self._of_client[client_id] = ns
+        old = self._of_client.get(client_id)
+        if old != ns:
+            if old is not None:
+                self._num_clients[old] -= 1
+            self._of_client[client_id] = ns
+            self._num_clients[ns] = self._num_clients.get(ns, 0) + 1
         return self._id(ns)
+
+    def leave(self, client_id: str) -> str | None:
+        """Forget a closed client; the namespace it left without clients, if any (its id
+        goes with :meth:`drop` once no request lives in it)."""
+        ns = self._of_client.pop(client_id, None)
+        if ns is None:
+            return None
+        self._num_clients[ns] -= 1
+        if self._num_clients[ns]:
+            return None
+        del self._num_clients[ns]
+        return ns
+
+    def drop(self, ns: str) -> None:
+        """Forget an empty namespace's id (no client maps to it, no request lives in it)."""
+        assert not self._num_clients.get(ns), (ns, self._num_clients.get(ns))
+        self._ids.pop(ns, None)
 
     def _id(self, ns: str) -> int:
         ns_id = self._ids.get(ns)
         if ns_id is None:
-            ns_id = self._ids[ns] = len(self._ids) + NO_NAMESPACE_ID + 1
+            ns_id = self._ids[ns] = self._next_id
+            self._next_id += 1
         return ns_id
 
     def namespace(self, client_id: str | None) -> str | None:
