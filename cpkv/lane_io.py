@@ -71,7 +71,7 @@ class LaneIO:
         self._kv = kv
         self._num_slots = num_slots
         self._namespace_id = namespace_id
-        self._timeout_s = timeout_s
+        self.timeout_s = timeout_s
         self._fence = fence
         self._fence_waiting = fence_waiting
         self._refresh_fence = refresh_fence
@@ -127,7 +127,7 @@ class LaneIO:
         """
         ray = self._ray
         if end is None:
-            end = time.monotonic() + self._timeout_s
+            end = time.monotonic() + self.timeout_s
         out, refusal = [], None
         for r, ref in refs:
             try:
@@ -139,7 +139,7 @@ class LaneIO:
                 if refusal is not None:
                     continue
                 raise RequestTimeoutError(
-                    f"{what}: lane {r} silent past the {self._timeout_s}s deadline"
+                    f"{what}: lane {r} silent past the {self.timeout_s}s deadline"
                 ) from None
             except actor_death(ray) as e:
                 raise self._lane_lost(r, what, f"{what}: {type(e).__name__}") from None
@@ -202,7 +202,7 @@ class LaneIO:
         from cpkv.lanes.shard import NOT_YET
 
         out: dict = {}
-        end, pause = time.monotonic() + self._timeout_s, 0.001
+        end, pause = time.monotonic() + self.timeout_s, 0.001
         refreshed = False
         if self._fence_waiting():
             # Measured on the 2-core machine (bench_actors, 256 tokens at cp 4): allocation
@@ -239,7 +239,7 @@ class LaneIO:
                 if time.monotonic() > end:
                     raise RequestTimeoutError(
                         f"{what}: lanes {sorted(calls)} did not get their page moves in "
-                        f"{self._timeout_s}s"
+                        f"{self.timeout_s}s"
                     )
                 time.sleep(pause)
                 pause = min(0.05, pause * 2)

@@ -178,3 +178,17 @@ def test_generate_after_a_timed_out_step_resumes_with_that_steps_call_id(monkeyp
     assert list(c.decode_greedy(["r"], [e.generated[-1]], call_id=e.call_id)) == [13]
     held = coordinator.core._core.request_len(coordinator.core._namespaces.key(c.client_id, "r"))
     assert held == len(prompt) + len(e.generated)  # the last id went in once
+
+
+def test_a_timeout_set_on_a_live_client_is_checked_and_reaches_its_lane_calls(coordinator):
+    """``timeout_s`` and ``call_retries`` set after connect are checked as connect checks them,
+    and the timeout governs every call after, the lanes' K/V reads and writes included."""
+    c = plain_client(coordinator)
+    for bad in (0, -1.0, float("nan"), "3"):
+        with pytest.raises(InvalidRequestError, match="timeout_s"):
+            c.timeout_s = bad
+    for bad in (-1, 1.5):
+        with pytest.raises(InvalidRequestError, match="call_retries"):
+            c.call_retries = bad
+    c.timeout_s, c.call_retries = 2.5, 3
+    assert c.timeout_s == c._io.timeout_s == 2.5 and c.call_retries == 3

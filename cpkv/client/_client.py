@@ -188,7 +188,7 @@ class CPKVClient:
 
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
-        self._rpc.timeout_s = value
+        self._rpc.timeout_s = self._io.timeout_s = check_timeout(value)
 
     @property
     def call_retries(self) -> int:
@@ -197,7 +197,7 @@ class CPKVClient:
 
     @call_retries.setter
     def call_retries(self, value: int) -> None:
-        self._rpc.call_retries = value
+        self._rpc.call_retries = check_int("call_retries", value, minimum=0)
 
     def _run(self, call: Call):
         return self._rpc.run(call)
