@@ -928,7 +928,50 @@ def test_a_closed_client_and_its_empty_namespace_are_forgotten():
     pages = coord._core.request_pages(coord._namespaces.key("again", "s"))
     assert coord.check()["ok"]  # the moves applied
     assert [int(lanes.shards[p % 2]._owner[p // 2]) for p in pages] == [solo] * len(pages)
+    late = ok(coord.allocate_extend(coord.epoch, "a", None, "late", np.arange(1, 5)))
+    assert late.rid == "late"  # a call of "a" that raced its close lands in "job" still
+    assert coord.check()["ok"]
+    pages = coord._core.request_pages(coord._namespaces.key("b", "late"))
+    assert [int(lanes.shards[p % 2]._owner[p // 2]) for p in pages] == [shared] * len(pages)
+    assert ok(coord.free(coord.epoch, "b", None, "late", False)) >= 0  # job's to free
     coord.close_lease("b")
     assert list(coord._namespaces._ids) == ["solo"]
     assert coord.hello("b2", namespace="job")["namespace_id"] > solo
     assert coord.check()["ok"]
+
+
+def test_a_quiet_lease_of_a_live_process_lapses_after_ten_periods_of_silence():
+    """A client whose close never arrived, in a process that lives on, does not hold its
+    pages for good: the liveness probe keeps its lease for ten lease periods at most."""
+    clock = Clock()
+    coord, _ = make(clock, liveness=lambda holder: True)
+    coord.hello("gone", 1.0, holder={"pid": 1})
+    ok(coord.allocate_extend(coord.epoch, "gone", None, "r", np.arange(1, 9)))
+    for _ in range(9):
+        clock.now += 1.0
+        assert coord.expire_leases() == 0  # probed alive: kept
+    clock.now += 1.0
+    assert coord.expire_leases() == 1
+    stats = coord.stats()
+    assert stats["leases_kept_alive"] == 9 and stats["num_requests"] == 0
+    # A renewal starts the count again.
+    coord.hello("busy", 1.0, holder={"pid": 2})
+    ok(coord.allocate_extend(coord.epoch, "busy", None, "r", np.arange(1, 9)))
+    for _ in range(25):
+        clock.now += 1.0
+        coord.renew_lease("busy") if clock.now % 5 == 0 else None
+        assert coord.expire_leases() == 0
+
+
+def test_the_lane_losses_listed_are_the_last_ones_and_keep_no_request_ids(monkeypatch):
+    monkeypatch.setattr(coordinator_module, "_MAX_LANE_LOSSES_KEPT", 3)
+    coord, lanes = make()
+    coord.hello("c", 60.0)
+    for n in range(5):
+        ok(coord.allocate_extend(coord.epoch, "c", None, f"r{n}", np.arange(1, 9)))
+        lanes.kill(n % 2)
+        lanes.restart(n % 2)
+        coord.heartbeat_once()
+        assert coord.wait_recovered(5)
+    assert coord.stats()["lane_losses"] == [[0, 1], [1, 1], [0, 1]]
+    assert all(type(num_lost) is int for _, num_lost in coord._losses)

@@ -77,7 +77,13 @@ _GRAPH_STEPS = frozenset({"prefill", "prefill_batch", "decode"})
     max_restarts=2,
     max_task_retries=0,
     max_concurrency=16,
-    concurrency_groups={"lease": 2, "status": 2, "check": 2, "_ray_system": _STEP_GRAPHS + 1},
+    concurrency_groups={
+        "lease": 2,
+        "close": 2,
+        "status": 2,
+        "check": 2,
+        "_ray_system": _STEP_GRAPHS + 1,
+    },
 )
 class CoordinatorActor:
     """Delegates to :class:`cpkv.coordinator.coordinator.Coordinator`.
@@ -208,6 +214,9 @@ class CoordinatorActor:
     def renew_lease(self, client_id: str) -> bool:
         return self._c.renew_lease(client_id)
 
+    # NOTE: a group of its own: in the default one a close waited behind steps (each up to
+    # the lanes' timeout), timed out in the client's shutdown and left the lease open.
+    @ray.method(concurrency_group="close")
     def close_lease(self, client_id: str) -> int:
         return self._c.close_lease(client_id)
 

@@ -135,10 +135,10 @@ class CPKVClient:
             lane_lost=self._rpc.lane_lost,
         )
         self._lease = LeaseKeeper(self, lease_s) if lease_s is not None else None
-        self._graph: StepGraph | None = None
+        graph = None
         if step_graph and hello.get("step_graph"):
-            self._graph = StepGraph(coordinator, self.client_id, build_timeout_s=timeout_s)
-        self._steps = StepCalls(self._rpc, self._graph)
+            graph = StepGraph(coordinator, self.client_id, build_timeout_s=timeout_s)
+        self._steps = StepCalls(self._rpc, graph)
         self._closed = False
         # A creator dropped without shutdown(): Ray's reference counts end its actors, this
         # removes their placement group and checkpoint too (not at exit: the job's end
@@ -175,6 +175,15 @@ class CPKVClient:
     @_coord.setter
     def _coord(self, coordinator) -> None:
         self._rpc.coord = coordinator
+
+    @property
+    def _graph(self) -> StepGraph | None:
+        """The compiled graph this client's steps go through (``None``: ordinary calls)."""
+        return self._steps.graph
+
+    @_graph.setter
+    def _graph(self, graph: StepGraph | None) -> None:
+        self._steps.graph = graph
 
     @property
     def _epoch(self) -> str:

@@ -40,7 +40,7 @@ class StepCalls:
 
     def __init__(self, rpc: CoordinatorCalls, graph: StepGraph | None) -> None:
         self._rpc = rpc
-        self._graph = graph
+        self.graph = graph  # NOTE: its one owner: a client that drops it drops it here
 
     def send(
         self, method: str, *args, call_id: Hashable, deadline_s: float | None = None
@@ -73,10 +73,10 @@ class StepCalls:
         rpc = self._rpc
         retries = rpc.call_retries
         yield from rpc.greet_if_restarted()
-        if self._graph is not None:
+        if self.graph is not None:
             call = (method, rpc.epoch, rpc.client_id, call_id, *args)
             try:
-                out = self._graph.run(call, rpc.timeout_s)
+                out = self.graph.run(call, rpc.timeout_s)
             except GraphUnavailable:
                 pass
             except TimeoutError:

@@ -26,6 +26,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -82,6 +83,8 @@ _MAX_REMEMBERED_CALLS = 1024
 # Bytes those replies may pin (a step's reply holds its logits in the object store: 113
 # remembered 1B-model steps pinned 442 MiB before this bound).
 _MAX_REMEMBERED_BYTES = 64 << 20
+# Lane losses listed by stats() (the last ones: a coordinator lives for days of them).
+_MAX_LANE_LOSSES_KEPT = 256
 # Page moves in flight before a caller waits for the oldest (back-pressure).
 _MAX_PENDING_MOVES = 2048
 # The allocation path looks for failed page moves at most this often: each look asks Ray
@@ -216,8 +219,8 @@ class Coordinator:
             self._steps = InflightSteps(
                 self._channel, self._core.has_request, self._supervisor.drop_group
             )
-            # (lane, requests lost with it) of every lane lost since the reset.
-            self._losses: list[tuple[int, list[Hashable]]] = []
+            # (lane, number of requests lost with it) of the last lanes lost since the reset.
+            self._losses: deque[tuple[int, int]] = deque(maxlen=_MAX_LANE_LOSSES_KEPT)
             self._leases.forget_requests()
             self._channel.reset_counters()
             self._supervisor.restart_all(self._core.availability)
@@ -678,7 +681,7 @@ class Coordinator:
             out["mirror_mismatches"] = self._supervisor.num_mismatches
             out["slow_heartbeats"] = self._supervisor.num_slow_heartbeats
             out["heartbeat_errors"] = self._supervisor.num_heartbeat_errors
-            out["lane_losses"] = [[lane, len(rids)] for lane, rids in self._losses]
+            out["lane_losses"] = [[lane, num_lost] for lane, num_lost in self._losses]
             out["lane_states"] = states
             out["restarting_lanes"] = [r for r, s in enumerate(states) if s == RESTARTING]
             out["dead_lanes"] = [r for r, s in enumerate(states) if s == DEAD]
@@ -857,7 +860,7 @@ class Coordinator:
             lost = self._core.drop_lane(lane)
             for key in lost:
                 self._steps.forget(key)
-            self._losses.append((lane, lost))
+            self._losses.append((lane, len(lost)))
             logger.warning("lane %d lost (%s): %d requests failed: %s", lane, why, len(lost), lost)
             # NOTE: leases keep the lost rids until freed: an expiry acknowledges them too.
         if lanes:

@@ -11,6 +11,7 @@ NOTE: :class:`Namespaces` has no lock of its own: the coordinator's lock guards 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
@@ -22,19 +23,25 @@ __all__ = ["NO_NAMESPACE_ID", "Namespaces", "for_caller", "namespace_of"]
 
 # Namespace id of requests made without a client id (tests, tools); clients get 2, 3, ...
 NO_NAMESPACE_ID = 1
+# Closed clients whose namespace is remembered for a call that raced the close (~200 bytes
+# each).
+_MAX_CLOSED_CLIENTS = 4096
 
 
 class Namespaces:
     """Client id -> namespace, and namespace -> the id the lanes know it by.
 
-    A client is forgotten when it closes (:meth:`leave`), and a namespace's id once no client
-    and no request is left in it (:meth:`drop`): a coordinator outlives many short clients.
+    A client that closes (:meth:`leave`) is counted out of its namespace but remembered, for
+    its late calls, among the last :data:`_MAX_CLOSED_CLIENTS` closed; a namespace's id goes
+    once no client and no request is left in it (:meth:`drop`): a coordinator outlives
+    many short clients.
     NOTE: ids are never reused (a forgotten namespace that comes back gets a new one), so a
     page a lane still records under an old id is never taken for another namespace's.
     """
 
     def __init__(self) -> None:
         self._of_client: dict[str, str] = {}
+        self._closed: OrderedDict[str, str] = OrderedDict()
         self._ids: dict[str, int] = {}
         self._num_clients: dict[str, int] = {}
         self._next_id = NO_NAMESPACE_ID + 1
@@ -42,6 +49,7 @@ class Namespaces:
     def join(self, client_id: str, namespace: str | None) -> int:
         """Put ``client_id``'s rids in ``namespace`` (default: one of its own); its id."""
         ns = client_id if namespace is None else str(namespace)
+        self._closed.pop(client_id, None)
         old = self._of_client.get(client_id)
         if old != ns:
             if old is not None:
@@ -51,11 +59,14 @@ class Namespaces:
         return self._id(ns)
 
     def leave(self, client_id: str) -> str | None:
-        """Forget a closed client; the namespace it left without clients, if any (its id
-        goes with :meth:`drop` once no request lives in it)."""
+        """Count a closed client out of its namespace; the namespace it left without clients,
+        if any (its id goes with :meth:`drop` once no request lives in it)."""
         ns = self._of_client.pop(client_id, None)
         if ns is None:
             return None
+        self._closed[client_id] = ns  # a call that raced its close still finds its namespace
+        while len(self._closed) > _MAX_CLOSED_CLIENTS:
+            self._closed.popitem(last=False)
         self._num_clients[ns] -= 1
         if self._num_clients[ns]:
             return None
@@ -63,7 +74,7 @@ class Namespaces:
         return ns
 
     def drop(self, ns: str) -> None:
-        """Forget an empty namespace's id (no client maps to it, no request lives in it)."""
+        """Forget an empty namespace's id (no client counted in it, no request lives in it)."""
         assert not self._num_clients.get(ns), (ns, self._num_clients.get(ns))
         self._ids.pop(ns, None)
 
@@ -77,7 +88,8 @@ class Namespaces:
     def namespace(self, client_id: str | None) -> str | None:
         if client_id is None:
             return None
-        return self._of_client.get(client_id, client_id)
+        ns = self._of_client.get(client_id)
+        return ns if ns is not None else self._closed.get(client_id, client_id)
 
     def key(self, client_id: str | None, rid) -> Hashable:
         """The core's key of the caller's ``rid``: its id inside the caller's namespace."""

@@ -8,7 +8,8 @@ A lease that passes its expiry is only *due*: :meth:`LeaseTable.due` names the d
 leases with the process that holds each, the caller asks whether that process is still
 making progress (a client whose renewer thread was starved by a busy interpreter is
 alive; a stopped or dead one is not), then :meth:`LeaseTable.expire` lapses the ones it
-could not confirm alive and :meth:`LeaseTable.extend` keeps the rest.
+could not confirm alive and :meth:`LeaseTable.extend` keeps the rest, for at most
+:data:`MAX_SILENT_PERIODS` lease periods without a renewal.
 """
 
 from __future__ import annotations
@@ -22,12 +23,18 @@ __all__ = ["LeaseTable"]
 
 # Lapsed leases remembered, so the client's next call can be told what was freed.
 _MAX_REMEMBERED_LAPSES = 1024
+# A live process keeps a lease it stopped renewing for at most this many lease periods: a
+# renewer starved by a busy interpreter wakes within seconds (the GIL's switch interval is
+# 5 ms), while a client whose close never reached the coordinator (its process lives on,
+# e.g. a pooled Ray worker) would otherwise hold its requests' pages for good.
+MAX_SILENT_PERIODS = 10
 
 
 @dataclass(slots=True)
 class _Lease:
     lease_s: float
     expires_at: float
+    renewed_at: float
     holder: dict | None = None
     rids: set[Hashable] = field(default_factory=set)
 
@@ -70,10 +77,11 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.get(client_id)
             if lease is None:
-                self._leases[client_id] = _Lease(lease_s, now + lease_s, holder)
+                self._leases[client_id] = _Lease(lease_s, now + lease_s, now, holder)
             else:
                 lease.lease_s = lease_s
                 lease.expires_at = now + lease_s
+                lease.renewed_at = now
                 lease.holder = holder if holder is not None else lease.holder
 
     def renew(self, client_id: str, now: float) -> bool:
@@ -83,6 +91,7 @@ class LeaseTable:
             if lease is None:
                 return False
             lease.expires_at = now + lease.lease_s
+            lease.renewed_at = now
             return True
 
     def has(self, client_id: str) -> bool:
@@ -124,10 +133,15 @@ class LeaseTable:
         return sorted(freed, key=repr)
 
     def due(self, now: float) -> dict[str, dict | None]:
-        """Leases past their expiry: ``{client_id: holder}`` (nothing changes)."""
+        """Leases past their expiry: ``{client_id: holder}`` (nothing changes). A lease silent
+        for :data:`MAX_SILENT_PERIODS` of its periods has no holder to ask: it lapses."""
         with self._lock:
             return {
-                cid: lease.holder for cid, lease in self._leases.items() if lease.expires_at <= now
+                cid: lease.holder
+                if now - lease.renewed_at < MAX_SILENT_PERIODS * lease.lease_s
+                else None
+                for cid, lease in self._leases.items()
+                if lease.expires_at <= now
             }
 
     def extend(self, client_id: str, now: float) -> None:
