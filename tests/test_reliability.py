@@ -455,6 +455,12 @@ def test_lanes_let_a_namespace_write_only_its_pages_and_read_cached_ones():
     # A fence ahead of the moves applied: not yet (the caller asks again).
     assert shard.store_kv(np.array([2]), k, v, owner=5, fence=("g", 9)) == NOT_YET
     assert shard.store_kv(np.array([2]), k, v, owner=5, fence=("g", 3)) == 1
+    # Namespace ids count up for the coordinator's life (one a client): past int32 too.
+    big = 2**31 + 5
+    shard.apply("g", 4, np.array([4], np.int32), np.empty(0, np.int32), owner=big)
+    assert shard.store_kv(np.array([8]), k, v, owner=big) == 1
+    with pytest.raises(InvalidRequestError, match="another namespace"):
+        shard.store_kv(np.array([8]), k, v, owner=5)
 
 
 def test_a_fence_of_a_generation_the_lane_has_not_reached_waits():

@@ -64,7 +64,8 @@ class LaneShard:
         self.incarnation = uuid.uuid4().hex
         self._held = np.zeros(num_pages, dtype=bool)
         # Namespace id owning each held page (CACHED for the prefix cache, 0 when free).
-        self._owner = np.zeros(num_pages, dtype=np.int32)
+        # NOTE: int64: namespace ids are never reused (one a client, for days of clients).
+        self._owner = np.zeros(num_pages, dtype=np.int64)
         self._replies = ReplyCache(_MAX_REMEMBERED_MOVES)
         # None until the coordinator resets this (re)started shard: moves are refused.
         self.generation: str | None = None
