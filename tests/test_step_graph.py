@@ -130,6 +130,24 @@ def _raise(error: BaseException):
     raise error
 
 
+def test_a_graph_dropped_without_close_leaves_no_exit_hook(monkeypatch):
+    """A client dropped without shutdown() drops its graph: its exit hook goes with it (a
+    long-lived process making a client per task kept one hook for each)."""
+    import gc
+    import types
+
+    import cpkv.actors.step_graph as step_graph
+
+    hooks: list = []
+    fake = types.SimpleNamespace(register=hooks.append, unregister=hooks.remove)
+    monkeypatch.setattr(step_graph, "atexit", fake)
+    coordinator = types.SimpleNamespace(run_step=types.SimpleNamespace(bind=lambda *_a: None))
+    for _ in range(5):
+        step_graph.StepGraph(coordinator, "c1", build_timeout_s=0.1)
+        gc.collect()
+    assert hooks == []
+
+
 def test_a_coordinator_without_slots_grants_none():
     coord, _ = make()
     assert not coord.hello("a", 1.0)["step_graph"]

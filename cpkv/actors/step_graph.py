@@ -172,6 +172,7 @@ class StepGraph:
         # waiting for an answer (a collector's thread must not block on Ray).
         if self._closed:
             return
+        atexit.unregister(self._at_exit)  # or a long-lived process keeps one a dropped client
         graph, self._graph = self._graph, None
         teardown_quietly(graph)
         if self._claimed:
