@@ -948,24 +948,33 @@ def test_a_closed_client_and_its_empty_namespace_are_forgotten():
 
 def test_a_quiet_lease_of_a_live_process_lapses_after_ten_periods_of_silence():
     """A client whose close never arrived, in a process that lives on, does not hold its
-    pages for good: the liveness probe keeps its lease for ten lease periods at most."""
+    pages for good: the liveness probe keeps its lease for ten lease periods at most (and at
+    least 30 s, for short leases)."""
     clock = Clock()
     coord, _ = make(clock, liveness=lambda holder: True)
-    coord.hello("gone", 1.0, holder={"pid": 1})
+    coord.hello("gone", 5.0, holder={"pid": 1})
     ok(coord.allocate_extend(coord.epoch, "gone", None, "r", np.arange(1, 9)))
     for _ in range(9):
-        clock.now += 1.0
+        clock.now += 5.0
         assert coord.expire_leases() == 0  # probed alive: kept
-    clock.now += 1.0
+    clock.now += 5.0
     assert coord.expire_leases() == 1
     stats = coord.stats()
     assert stats["leases_kept_alive"] == 9 and stats["num_requests"] == 0
+    # A short lease is kept for 30 s.
+    coord.hello("short", 0.5, holder={"pid": 3})
+    ok(coord.allocate_extend(coord.epoch, "short", None, "r", np.arange(1, 9)))
+    clock.now += 29.0
+    assert coord.expire_leases() == 0
+    clock.now += 1.5
+    assert coord.expire_leases() == 1
     # A renewal starts the count again.
-    coord.hello("busy", 1.0, holder={"pid": 2})
+    coord.hello("busy", 5.0, holder={"pid": 2})
     ok(coord.allocate_extend(coord.epoch, "busy", None, "r", np.arange(1, 9)))
-    for _ in range(25):
-        clock.now += 1.0
-        coord.renew_lease("busy") if clock.now % 5 == 0 else None
+    for n in range(25):
+        clock.now += 5.0
+        if n % 5 == 4:
+            coord.renew_lease("busy")
         assert coord.expire_leases() == 0
 
 

@@ -28,6 +28,9 @@ _MAX_REMEMBERED_LAPSES = 1024
 # 5 ms), while a client whose close never reached the coordinator (its process lives on,
 # e.g. a pooled Ray worker) would otherwise hold its requests' pages for good.
 MAX_SILENT_PERIODS = 10
+# ... and for at least this long, whatever its period (a lease of 0.2 s would lapse a live
+# process silent for 2 s).
+MIN_SILENT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -134,11 +137,12 @@ class LeaseTable:
 
     def due(self, now: float) -> dict[str, dict | None]:
         """Leases past their expiry: ``{client_id: holder}`` (nothing changes). A lease silent
-        for :data:`MAX_SILENT_PERIODS` of its periods has no holder to ask: it lapses."""
+        for :data:`MAX_SILENT_PERIODS` of its periods (and :data:`MIN_SILENT_S`) has no holder
+        to ask: it lapses."""
         with self._lock:
             return {
                 cid: lease.holder
-                if now - lease.renewed_at < MAX_SILENT_PERIODS * lease.lease_s
+                if now - lease.renewed_at < max(MAX_SILENT_PERIODS * lease.lease_s, MIN_SILENT_S)
                 else None
                 for cid, lease in self._leases.items()
                 if lease.expires_at <= now
