@@ -11,6 +11,7 @@ epoch).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +25,18 @@ KV = KVShape(num_layers=1, num_heads=2, head_dim=8, dtype="float32")
 
 
 class Answer:
-    """A call's outcome, read by the patched ``ray.get``."""
+    """A call's outcome, read by the patched ``ray.get`` or awaited (after ``delay`` s)."""
 
     def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
         self.value, self.error = value, error
+        self.delay = 0.0
+
+    def __await__(self):
+        if self.delay:
+            yield from asyncio.sleep(self.delay).__await__()
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def patch_ray(monkeypatch) -> None:
@@ -52,6 +61,7 @@ class PlainCoordinator:
     def __init__(self) -> None:
         self.dead = False
         self.lose: Callable[[str, tuple], bool] | None = None
+        self.delays: dict[str, float] = {}  # method -> seconds its answer takes, awaited
         self.restart()
 
     def restart(self) -> None:
@@ -79,7 +89,9 @@ class PlainCoordinator:
             logical = unpack(args[0]) if name in PACKED_CALLS else args
             if self.lose is not None and self.lose(name, logical):
                 return Answer(error=ray.exceptions.GetTimeoutError("answer lost"))
-            return Answer(out)
+            answer = Answer(out)
+            answer.delay = self.delays.get(name, 0.0)
+            return answer
 
         return type("Method", (), {"remote": staticmethod(remote)})()
 

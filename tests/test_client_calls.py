@@ -192,3 +192,30 @@ def test_a_timeout_set_on_a_live_client_is_checked_and_reaches_its_lane_calls(co
             c.call_retries = bad
     c.timeout_s, c.call_retries = 2.5, 3
     assert c.timeout_s == c._io.timeout_s == 2.5 and c.call_retries == 3
+
+
+def test_a_cancelled_async_call_is_finished_in_the_background_and_recorded(coordinator):
+    """A serving framework cancels the task of an aborted request: the call was sent and took
+    effect at the coordinator, so the client finishes it in the background and records it
+    (a retry of the operation then does not allocate twice, and a cleanup over live_rids
+    frees it); the caller still sees its cancellation."""
+    c = plain_client(coordinator, timeout_s=5.0)
+
+    async def cancelled(coro) -> None:
+        task = asyncio.create_task(coro)
+        await asyncio.sleep(0.05)  # sent; its answer on the way
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.4)  # the answer arrives
+
+    async def main() -> None:
+        coordinator.delays["allocate_extend"] = 0.2
+        await cancelled(c.allocate_extend_async("r", np.arange(10)))
+        assert c.live_rids == {"r"} and c._requests.held["r"] == 10
+        coordinator.delays["free"] = 0.2
+        await cancelled(c.free_async("r"))
+        assert c.live_rids == set()
+        assert coordinator.core._core.num_requests == 0
+
+    asyncio.run(main())

@@ -101,16 +101,27 @@ class CoordinatorCalls:
             except Exception as e:
                 answer, error = None, self.translate(e, what)
 
-    async def arun(self, call: Call):
-        """Run ``call``, awaiting each answer."""
+    async def arun(self, call: Call, pending: tuple[Any, str] | None = None):
+        """Run ``call``, awaiting each answer (``pending``: one already asked for).
+
+        Cancelled while it waits, the call is finished in the background before the
+        cancellation goes on: it was sent and may take effect, and the client's book must
+        record what it did (a request it now holds, one it freed), or the caller's retry
+        would allocate again and a cleanup over :attr:`LiveRequests.rids` miss it.
+        """
         answer = error = None
         while True:
-            try:
-                ref, what = call.send(answer) if error is None else call.throw(error)
-            except StopIteration as done:
-                return done.value
+            if pending is None:
+                try:
+                    pending = call.send(answer) if error is None else call.throw(error)
+                except StopIteration as done:
+                    return done.value
+            (ref, what), pending = pending, None
             try:
                 answer, error = await asyncio.wait_for(ref, timeout=self.timeout_s), None
+            except asyncio.CancelledError:
+                _finish_in_background(self.arun(call, (ref, what)), what)
+                raise
             except Exception as e:
                 answer, error = None, self.translate(e, what)
 
@@ -230,6 +241,23 @@ class CoordinatorCalls:
         fence."""
         self._check_open()
         self._fence.merge(self.get(self.coord.lane_fence.remote(), "fence"), waiting=False)
+
+
+# NOTE: the event loop keeps only weak references to its tasks.
+_BACKGROUND: set[asyncio.Task] = set()
+
+
+def _finish_in_background(finish, what: str) -> None:
+    """Run a cancelled call's rest as a task of its own; its outcome is only logged."""
+
+    def done(task: asyncio.Task) -> None:
+        _BACKGROUND.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("%s, finished after its caller was cancelled: %r", what, task.exception())
+
+    task = asyncio.ensure_future(finish)
+    _BACKGROUND.add(task)
+    task.add_done_callback(done)
 
 
 def retryable(e: RequestTimeoutError, call_id: Hashable) -> RequestTimeoutError:
