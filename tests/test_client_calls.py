@@ -7,6 +7,7 @@ import asyncio
 import random
 import time
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -113,11 +114,6 @@ def test_generate_hands_back_the_ids_made_before_a_step_failed(coordinator, monk
 
 def test_stats_async_takes_lanes_as_stats_does(coordinator, monkeypatch):
     c = plain_client(coordinator)
-
-    async def run(call):  # the fake Ray's answers are values, not awaitables
-        return c._run(call)
-
-    monkeypatch.setattr(c, "_arun", run)
     monkeypatch.setattr(c, "lane_info", lambda: [{"lane": 0}, {"lane": 1}])  # no lane actors
     assert asyncio.run(c.stats_async(lanes=True))["lanes"] == [{"lane": 0}, {"lane": 1}]
     assert "lanes" not in asyncio.run(c.stats_async())
@@ -219,3 +215,19 @@ def test_a_cancelled_async_call_is_finished_in_the_background_and_recorded(coord
         assert coordinator.core._core.num_requests == 0
 
     asyncio.run(main())
+
+
+def test_a_blocking_call_inside_a_running_event_loop_warns_once(coordinator):
+    c = plain_client(coordinator)
+
+    async def main() -> None:
+        with pytest.warns(RuntimeWarning, match="allocate_extend_async"):
+            c.allocate_extend("r", np.arange(4))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            c.free("r")  # once a client
+
+    asyncio.run(main())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c.allocate_extend("s", np.arange(4))  # no loop: no warning

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import pickle
+import warnings
 from collections.abc import Callable, Generator, Hashable
 from typing import Any
 
@@ -81,6 +82,7 @@ class CoordinatorCalls:
         self._fence = fence
         self._check_open = check_open
         self._greeted = greeted
+        self._warned_loop = False
 
     def hello(self) -> dict:
         """Greet the coordinator and take its epoch; its greeting."""
@@ -90,6 +92,15 @@ class CoordinatorCalls:
 
     def run(self, call: Call):
         """Run ``call``, waiting for each answer with ``ray.get``."""
+        if not self._warned_loop and _in_event_loop():
+            self._warned_loop = True  # once a client: the caller may mean it (a quick call)
+            warnings.warn(
+                "a blocking cpkv call inside a running event loop stalls the loop for its "
+                "round trip; await the *_async twin (allocate_extend_async, "
+                "allocate_decode_async, free_async, stats_async) there",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         answer = error = None
         while True:
             try:
@@ -241,6 +252,14 @@ class CoordinatorCalls:
         fence."""
         self._check_open()
         self._fence.merge(self.get(self.coord.lane_fence.remote(), "fence"), waiting=False)
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 # NOTE: the event loop keeps only weak references to its tasks.
