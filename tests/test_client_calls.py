@@ -231,3 +231,22 @@ def test_a_blocking_call_inside_a_running_event_loop_warns_once(coordinator):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         c.allocate_extend("s", np.arange(4))  # no loop: no warning
+
+
+def test_a_background_finish_cancelled_by_its_loop_closing_ends_there(coordinator):
+    """asyncio.run cancels what is left when its coroutine returns: the cancelled call's
+    background finish ends then (it once scheduled yet another, left pending and kept)."""
+    import cpkv.client._calls as calls_module
+
+    c = plain_client(coordinator, timeout_s=5.0)
+    coordinator.delays["allocate_extend"] = 1.0
+
+    async def main() -> None:
+        task = asyncio.create_task(c.allocate_extend_async("r", np.arange(10)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert not calls_module._BACKGROUND

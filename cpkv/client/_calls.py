@@ -131,7 +131,9 @@ class CoordinatorCalls:
             try:
                 answer, error = await asyncio.wait_for(ref, timeout=self.timeout_s), None
             except asyncio.CancelledError:
-                _finish_in_background(self.arun(call, (ref, what)), what)
+                # NOTE: a continuation cancelled in turn (its loop is closing) ends there.
+                if asyncio.current_task() not in _BACKGROUND:
+                    _finish_in_background(self.arun(call, (ref, what)), what)
                 raise
             except Exception as e:
                 answer, error = None, self.translate(e, what)
